@@ -1,0 +1,52 @@
+# The two commands of the README: `make run` (the main job) and `make test`.  Both set up .venv first.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+# A working interpreter of the given version: on PATH, or under pyenv.
+find_python = $(firstword $(foreach c,python$(1) $(wildcard $(HOME)/.pyenv/versions/$(1)*/bin/python$(1)) $(wildcard /usr/bin/python$(1)),$(shell $(c) -c 'import sys; print(sys.executable)' 2>/dev/null)))
+PYTHON ?= $(call find_python,3.12)
+PYTHON_COMPAT ?= $(call find_python,3.11)
+
+VENV := .venv
+VENV_COMPAT := .venv-compat
+PYTEST_ARGS ?=
+
+.PHONY: help setup setup-compat run test test-compat bench clean
+
+help:
+	@echo "make run          the main job (see README)"
+	@echo "make test         set up .venv if needed and run the CPU test suite"
+	@echo "make test-compat  the same suite on python3.11 + megatron-core 0.16.1 + torch 2.13.0"
+	@echo "make bench        the regression benchmark against baseline Megatron"
+
+$(VENV)/.installed: setup.py constraints.txt
+	@test -n "$(PYTHON)" || { echo "python3.12 not found: install it (e.g. pyenv install 3.12) or pass PYTHON=/path/to/python3.12"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[test,bench]'
+	touch $@
+
+$(VENV_COMPAT)/.installed: setup.py constraints.txt
+	@test -n "$(PYTHON_COMPAT)" || { echo "python3.11 not found: pass PYTHON_COMPAT=/path/to/python3.11"; exit 1; }
+	$(PYTHON_COMPAT) -m venv $(VENV_COMPAT)
+	$(VENV_COMPAT)/bin/pip install --quiet --upgrade pip
+	$(VENV_COMPAT)/bin/pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+setup-compat: $(VENV_COMPAT)/.installed
+
+run: setup
+	$(VENV)/bin/megatron-longctx run
+
+test: setup
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+
+test-compat: setup-compat
+	$(VENV_COMPAT)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+
+bench: setup
+	$(VENV)/bin/megatron-longctx bench
+
+clean:
+	rm -rf $(VENV) $(VENV_COMPAT) *.egg-info .pytest_cache

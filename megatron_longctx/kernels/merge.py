@@ -1,0 +1,41 @@
+"""Exact combination of partial attention results (the online softmax).
+
+Two partial results over disjoint key sets, ``(out_a, lse_a)`` and ``(out_b, lse_b)``, combine into
+the result over the union: ``lse = log(exp(lse_a) + exp(lse_b))`` and
+``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b`` (Milakov & Gimelshein 2018; FlashAttention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partials.
+
+    ``out_*``: ``[b, s, h, d]``; ``lse_*``: ``[b, h, s]``.  Returns ``out`` in float32 (float64 when
+    an input is float64) and ``lse`` in the wider of the two lse dtypes.  Rows where both sides saw
+    nothing (``lse = -inf``) stay ``out = 0``, ``lse = -inf``.
+    """
+    acc = torch.float64 if torch.float64 in (out_a.dtype, out_b.dtype, lse_a.dtype, lse_b.dtype) else torch.float32
+    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
+    lse = torch.logaddexp(lse_a, lse_b)  # [b, h, s]
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse))  # [b, h, s]
+    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse))
+    # [b, h, s] -> [b, s, h, 1] to scale out
+    out = w_a.transpose(1, 2).unsqueeze(-1) * out_a.to(acc) + w_b.transpose(1, 2).unsqueeze(-1) * out_b.to(acc)
+    return out, lse
+
+
+def merge_into(
+    out_acc: torch.Tensor | None, lse_acc: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold one more partial into an accumulator that may still be empty (``None``)."""
+    if out_acc is None:
+        acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+        return out.to(acc), lse.to(torch.promote_types(lse.dtype, torch.float32))
+    return merge(out_acc, lse_acc, out, lse)

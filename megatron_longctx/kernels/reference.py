@@ -1,0 +1,70 @@
+"""Plain PyTorch attention on one block: the test oracle for every other backend.
+
+Computes in float64 for float64 inputs and in float32 otherwise; returns ``out`` in the input dtype and
+``lse`` in float32 (float64 for float64 inputs, so float64 tests stay exact).  Memory is
+``O(s_q * s_k)``: meant for tests and small blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BlockArgs, check_shapes
+
+name = "reference"
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
+    # [b, s_k, h_kv, d] -> [b, s_k, h_q, d]
+    return x.repeat_interleave(hq // x.shape[2], dim=2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled, masked scores ``[b, h_q, s_q, s_k]`` and the visibility mask ``[s_q, s_k]``."""
+    dt = _compute_dtype(q)
+    kx = _expand_kv(k, q.shape[2]).to(dt)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(dt), kx) * args.softmax_scale
+    visible = args.mask.dense(args.q_start, q.shape[1], args.k_start, k.shape[1], device=q.device)
+    return s.masked_fill(~visible, float("-inf")), visible
+
+
+def check(q, k, v, args: BlockArgs) -> str | None:
+    return None
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    check_shapes(q, k, v)
+    s, _ = _scores(q, k, args)  # [b, h, s_q, s_k]
+    lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]; -inf for rows that see nothing
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows with lse=-inf give nan -> 0
+    vx = _expand_kv(v, q.shape[2]).to(s.dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vx)  # [b, s_q, h_q, d_v]
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def backward(dout, q, k, v, out, lse, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients for one block given the *final* ``out``/``lse`` of the whole row (FlashAttention-2 bwd)."""
+    check_shapes(q, k, v)
+    hq, hkv = q.shape[2], k.shape[2]
+    s, _ = _scores(q, k, args)  # [b, h, s_q, s_k]
+    dt = s.dtype
+    p = torch.exp(s - lse.to(dt).unsqueeze(-1)).nan_to_num(0.0)  # [b, h, s_q, s_k]
+    do = dout.to(dt)
+    vx = _expand_kv(v, hq).to(dt)
+    dvx = torch.einsum("bhqk,bqhd->bkhd", p, do)  # [b, s_k, h_q, d_v]
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vx)
+    delta = (do * out.to(dt)).sum(-1).transpose(1, 2)  # [b, h, s_q]
+    ds = p * (dp - delta.unsqueeze(-1)) * args.softmax_scale
+    kx = _expand_kv(k, hq).to(dt)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kx)
+    dkx = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(dt))
+    g = hq // hkv
+    # Sum the gradients of the q heads that share one kv head: [b, s_k, h_kv, g, d] -> [b, s_k, h_kv, d]
+    dk = dkx.unflatten(2, (hkv, g)).sum(3)
+    dv = dvx.unflatten(2, (hkv, g)).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
