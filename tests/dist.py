@@ -87,6 +87,7 @@ class _Pool:
             p.start()
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        __tracebackhide__ = True
         for q in self.tasks:
             q.put((fn, args, kwargs))
         values: dict[int, Any] = {}
@@ -147,6 +148,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
     ``fn`` must be a module-level function (it is pickled by reference).  Raises :class:`RankFailure`
     with all tracebacks when any rank raises, dies or runs past ``timeout``.
     """
+    __tracebackhide__ = True
     pool = _pools.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:
