@@ -1,0 +1,5 @@
+import sys
+
+from megatron_longctx.cli import main
+
+sys.exit(main())
