@@ -12,9 +12,15 @@ Layouts (flash-attn's convention):
     out  ``[b, s_q, h_q, d_v]``        dtype of ``q``
     lse  ``[b, h_q, s_q]``             float32, natural log of the softmax denominator
 
+``lse`` is float64 for float64 inputs.  Gradients come back in the dtypes of ``q``, ``k``, ``v``.
+
 Positions: query ``i`` of the block sits at global position ``q_start + i``, key ``j`` at
 ``k_start + j``; the mask is a function of those positions only (see :class:`BlockMask`).  A query
 row that sees no key returns ``out = 0`` and ``lse = -inf`` and contributes no gradient.
+
+``backward`` receives the *final* ``out``/``lse`` of each query row (after every block of the row has
+been merged), as FlashAttention-2's backward does (Dao 2023, Algorithm 2); this is what lets ring
+attention run the backward block by block.
 """
 
 from __future__ import annotations
@@ -81,6 +87,33 @@ class BlockMask:
         full = (self.right < 0 or d_min >= -self.right) and (self.left < 0 or d_max <= self.left)
         return Visibility.FULL if full else Visibility.PARTIAL
 
+    def live_block(self, q_start: int, q_len: int, k_start: int, k_len: int) -> LiveBlock | None:
+        """The smallest sub-block holding every visible pair of the block, or ``None`` if there is none.
+
+        Row ``i`` of the block sees key ``j`` iff ``lo <= j - i <= hi`` with ``lo = d - left`` and
+        ``hi = d + right`` (``d = q_start - k_start``; an unbounded side is ``None``).  The rows that
+        see at least one key and the keys seen by at least one row are contiguous ranges, because
+        the band slides by one key per row.
+        """
+        if q_len <= 0 or k_len <= 0:
+            return None
+        d = q_start - k_start
+        lo = d - self.left if self.left >= 0 else None
+        hi = d + self.right if self.right >= 0 else None
+        # Row i sees something iff its band [i + lo, i + hi] meets [0, k_len).
+        q_lo = 0 if hi is None else max(0, -hi)
+        q_hi = q_len if lo is None else min(q_len, k_len - lo)
+        if q_lo >= q_hi:
+            return None
+        k_lo = 0 if lo is None else max(0, q_lo + lo)
+        k_hi = k_len if hi is None else min(k_len, q_hi + hi)
+        # Re-express the band in the coordinates of the sub-block; drop sides that cut nothing there.
+        shift = k_lo - q_lo
+        s_q, s_k = q_hi - q_lo, k_hi - k_lo
+        band_lo = None if lo is None or lo - shift <= -(s_q - 1) else lo - shift
+        band_hi = None if hi is None or hi - shift >= s_k - 1 else hi - shift
+        return LiveBlock(self, q_start, k_start, q_lo, q_hi, k_lo, k_hi, band_lo, band_hi)
+
     def dense(self, q_start: int, q_len: int, k_start: int, k_len: int, device=None) -> torch.Tensor:
         """Boolean ``[q_len, k_len]`` mask, True where the query sees the key."""
         q_pos = torch.arange(q_start, q_start + q_len, device=device)[:, None]
@@ -92,6 +125,66 @@ class BlockMask:
         if self.left >= 0:
             visible &= dist <= self.left
         return visible
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBlock:
+    """The part of a block that holds every visible pair (see :meth:`BlockMask.live_block`).
+
+    Rows ``[q_lo, q_hi)`` and keys ``[k_lo, k_hi)`` are indices into the original block.  Every row
+    of the sub-block sees at least one key and every key is seen by at least one row.  Inside the
+    sub-block, row ``i`` sees key ``j`` iff ``band_lo <= j - i <= band_hi``; ``None`` means the side
+    cuts nothing.
+    """
+
+    mask: BlockMask
+    q_start: int  # global position of row 0 of the *original* block
+    k_start: int  # global position of key 0 of the *original* block
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    band_lo: int | None
+    band_hi: int | None
+
+    @property
+    def s_q(self) -> int:
+        return self.q_hi - self.q_lo
+
+    @property
+    def s_k(self) -> int:
+        return self.k_hi - self.k_lo
+
+    @property
+    def is_full(self) -> bool:
+        """Every row of the sub-block sees every key of it: no mask is needed."""
+        return self.band_lo is None and self.band_hi is None
+
+    def rows(self, start: int, stop: int) -> LiveBlock | None:
+        """The live block of rows ``[start, stop)`` of the original block (same keys)."""
+        # Keys at and beyond k_hi are seen by no row of the block, so [0, k_hi) covers the rows' keys.
+        live = self.mask.live_block(self.q_start + start, stop - start, self.k_start, self.k_hi)
+        if live is None:
+            return None
+        return dataclasses.replace(live, q_start=self.q_start, q_lo=live.q_lo + start, q_hi=live.q_hi + start)
+
+    def flash_window(self) -> tuple[bool, int, int]:
+        """``(causal, left, right)`` for kernels whose windows are bottom-right aligned (flash-attn >= 2.1).
+
+        There row ``i`` sees key ``j`` iff ``i + s_k - s_q - left <= j <= i + s_k - s_q + right``; both
+        values are ``>= 0`` (or ``-1``, unbounded) because the first and last rows of a live block see
+        a key.  Causal is reported as ``(True, -1, -1)``.
+        """
+        shift = self.s_k - self.s_q
+        right = -1 if self.band_hi is None else self.band_hi - shift
+        left = -1 if self.band_lo is None else shift - self.band_lo
+        if left == -1 and right == 0:
+            return True, -1, -1
+        return False, left, right
+
+    def dense(self, device=None) -> torch.Tensor:
+        """Boolean ``[s_q, s_k]`` mask of the sub-block, True where the row sees the key."""
+        return self.mask.dense(self.q_start + self.q_lo, self.s_q, self.k_start + self.k_lo, self.s_k, device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,3 +233,7 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q and k head dims differ: {dqk} vs {k.shape[3]}")
     if hq % k.shape[2] != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[2]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")

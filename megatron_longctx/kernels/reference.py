@@ -32,7 +32,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor, args: BlockArgs) -> tuple[torch.Te
     return s.masked_fill(~visible, float("-inf")), visible
 
 
+def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(s - lse)`` ``[b, h, s_q, s_k]``; a row with ``lse = -inf`` saw nothing and gets zeros."""
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # exp(-inf - inf) = exp(x - inf) = 0
+    return torch.exp(s - lse.unsqueeze(-1))
+
+
+def available(device: torch.device) -> str | None:
+    """Runs on every device."""
+    return None
+
+
 def check(q, k, v, args: BlockArgs) -> str | None:
+    """Serves every case."""
     return None
 
 
@@ -40,7 +52,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) 
     check_shapes(q, k, v)
     s, _ = _scores(q, k, args)  # [b, h, s_q, s_k]
     lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]; -inf for rows that see nothing
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows with lse=-inf give nan -> 0
+    p = _probs(s, lse)
     vx = _expand_kv(v, q.shape[2]).to(s.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vx)  # [b, s_q, h_q, d_v]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -53,7 +65,7 @@ def backward(dout, q, k, v, out, lse, args: BlockArgs) -> tuple[torch.Tensor, to
     hq, hkv = q.shape[2], k.shape[2]
     s, _ = _scores(q, k, args)  # [b, h, s_q, s_k]
     dt = s.dtype
-    p = torch.exp(s - lse.to(dt).unsqueeze(-1)).nan_to_num(0.0)  # [b, h, s_q, s_k]
+    p = _probs(s, lse.to(dt))  # [b, h, s_q, s_k]
     do = dout.to(dt)
     vx = _expand_kv(v, hq).to(dt)
     dvx = torch.einsum("bhqk,bqhd->bkhd", p, do)  # [b, s_k, h_q, d_v]

@@ -1,0 +1,164 @@
+"""The shared driver of the fast block backends: trim, pad, run pieces, reassemble.
+
+Fast attention kernels speak a narrower mask language than :class:`~.base.BlockMask`: a CPU flash
+kernel knows "no mask", top-left causal and an explicit mask; flash-attn knows bottom-right aligned
+windows.  None of them handles a row that sees no key the way the contract wants (``out = 0``,
+``lse = -inf``), and most need equal (or 8-aligned) head dims for q, k and v.
+
+The driver therefore hands a backend only *pieces*: :class:`~.base.LiveBlock` sub-blocks in which
+every row sees at least one key, with the mask written as a band of diagonals.  Rows outside every
+piece are filled with ``out = 0``/``lse = -inf`` here, keys outside every piece get zero gradients,
+head dims are zero-padded (zeros add nothing to ``q·k`` and give zero output columns, so the padding
+is exact), and dtypes are brought to what the kernels expect.  A backend supplies a
+:class:`PieceKernel`: forward/backward of one piece.
+
+Backward follows FlashAttention-2 (Dao 2023, Algorithm 2): given the final ``out``/``lse`` of each row,
+the gradient of one block needs nothing from the others, so pieces are independent.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .base import BlockArgs, LiveBlock, check_shapes
+
+
+class PieceKernel(Protocol):
+    """Forward/backward of one piece on tensors already sliced to it and padded to one head dim ``D``.
+
+    ``forward(q, k, v, scale, piece)``: q ``[b, s_q, h_q, D]``, k/v ``[b, s_k, h_kv, D]`` →
+    out ``[b, s_q, h_q, D]`` (q's dtype), lse ``[b, h_q, s_q]`` (float32; float64 for float64).
+    ``backward(dout, q, k, v, out, lse, scale, piece)`` → dq, dk, dv shaped like q, k, v; ``dout`` and
+    ``out`` come in q's dtype, ``lse`` contiguous with ``+inf`` on rows that contribute nothing.
+    """
+
+    head_multiple: int  # the padded head dim D is a multiple of this
+
+    def forward(self, q, k, v, scale: float, piece: LiveBlock) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, dout, q, k, v, out, lse, scale: float, piece: LiveBlock): ...
+
+
+def lse_dtype(t: torch.Tensor) -> torch.dtype:
+    """The contract's lse dtype for inputs of ``t``'s dtype."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def padded_head_dim(d_qk: int, d_v: int, multiple: int) -> int:
+    return -(-max(d_qk, d_v) // multiple) * multiple
+
+
+def _pad_to(x: torch.Tensor, d: int) -> torch.Tensor:
+    # [..., d_x] -> [..., d] with zero columns (no copy when already d wide)
+    return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
+
+
+def pieces_for(args: BlockArgs, s_q: int, s_k: int) -> list[LiveBlock]:
+    """The single live block of the block, or nothing when no pair is visible."""
+    live = args.mask.live_block(args.q_start, s_q, args.k_start, s_k)
+    return [] if live is None else [live]
+
+
+def flash2_pieces(args: BlockArgs, s_q: int, s_k: int) -> list[LiveBlock]:
+    """Pieces on which flash-attn 2's window arguments mean exactly the band.
+
+    flash-attn 2 (and torch's copy of it) rewrites ``window_size_right >= seqlen_k`` to unbounded and
+    an unbounded right side next to a bounded left side to ``seqlen_k``.  Both rewrites are exact
+    only when ``s_q <= s_k + 1``.  A masked live block with more rows splits at the rows where its
+    right edge stops cutting (``s_k - 1 - band_hi``) and where its left edge starts cutting
+    (``1 - band_lo``); each piece then has fewer rows than keys or needs no mask at all.
+    """
+    pieces = []
+    for live in pieces_for(args, s_q, s_k):
+        if live.is_full or live.s_q <= live.s_k + 1:
+            pieces.append(live)
+            continue
+        cuts = {live.q_lo, live.q_hi}
+        if live.band_hi is not None:
+            cuts.add(live.q_lo + live.s_k - 1 - live.band_hi)
+        if live.band_lo is not None:
+            cuts.add(live.q_lo + 1 - live.band_lo)
+        bounds = sorted(c for c in cuts if live.q_lo <= c <= live.q_hi)
+        for start, stop in zip(bounds, bounds[1:]):
+            part = live.rows(start, stop)
+            if part is None:
+                continue
+            if not (part.is_full or part.s_q <= part.s_k + 1):
+                raise AssertionError(f"row split left an unsafe flash-attn 2 piece: {part}")
+            pieces.append(part)
+    return pieces
+
+
+def forward(
+    kernel: PieceKernel, pieces: list[LiveBlock], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block forward through ``kernel``: out ``[b, s_q, h_q, d_v]`` (q's dtype), lse ``[b, h_q, s_q]``."""
+    check_shapes(q, k, v)
+    b, s_q, h_q, d_qk = q.shape
+    d_v = v.shape[-1]
+    d = padded_head_dim(d_qk, d_v, kernel.head_multiple)
+    whole = len(pieces) == 1 and pieces[0].q_lo == 0 and pieces[0].q_hi == s_q
+    if not whole:
+        out = q.new_zeros(b, s_q, h_q, d_v)
+        lse = torch.full((b, h_q, s_q), float("-inf"), dtype=lse_dtype(q), device=q.device)
+    for p in pieces:
+        qp = _pad_to(q[:, p.q_lo : p.q_hi], d)  # [b, s_q', h_q, D]
+        kp = _pad_to(k[:, p.k_lo : p.k_hi], d)  # [b, s_k', h_kv, D]
+        vp = _pad_to(v[:, p.k_lo : p.k_hi], d)  # [b, s_k', h_kv, D]
+        o, l = kernel.forward(qp, kp, vp, args.softmax_scale, p)
+        o = o[..., :d_v]  # [b, s_q', h_q, d_v]
+        if whole:
+            return o.contiguous(), l.to(lse_dtype(q)).contiguous()
+        out[:, p.q_lo : p.q_hi] = o
+        lse[:, :, p.q_lo : p.q_hi] = l
+    return out, lse
+
+
+def backward(
+    kernel: PieceKernel,
+    pieces: list[LiveBlock],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    args: BlockArgs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block backward through ``kernel`` given the final ``out``/``lse`` of each row; grads like q, k, v."""
+    check_shapes(q, k, v)
+    s_q, s_k = q.shape[1], k.shape[1]
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    d = padded_head_dim(d_qk, d_v, kernel.head_multiple)
+    single = len(pieces) == 1 and (pieces[0].s_q, pieces[0].s_k) == (s_q, s_k)
+    if not single:
+        # Pieces share keys (never rows): accumulate dk/dv in at least float32.
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+    # A row whose final lse is -inf saw nothing anywhere: +inf makes every p = exp(s - lse) zero.
+    lse = lse.to(lse_dtype(q))
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # [b, h_q, s_q]
+    for p in pieces:
+        rows, keys = slice(p.q_lo, p.q_hi), slice(p.k_lo, p.k_hi)
+        dop = _pad_to(dout[:, rows].to(q.dtype), d)  # [b, s_q', h_q, D]
+        op = _pad_to(out[:, rows].to(q.dtype), d)  # [b, s_q', h_q, D]
+        gq, gk, gv = kernel.backward(
+            dop,
+            _pad_to(q[:, rows], d),
+            _pad_to(k[:, keys], d),
+            _pad_to(v[:, keys], d),
+            op,
+            lse[:, :, rows].contiguous(),
+            args.softmax_scale,
+            p,
+        )
+        gq, gk, gv = gq[..., :d_qk], gk[..., :d_qk], gv[..., :d_v]
+        if single:
+            return gq.contiguous(), gk.contiguous(), gv.contiguous()
+        dq[:, rows] += gq
+        dk[:, keys] += gk
+        dv[:, keys] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,90 @@
+"""CPU stand-ins for torch's flash ops (``aten::_flash_attention_forward``/``_backward``), float64.
+
+They follow flash-attn 2's documented semantics, including what its C++ entry points do to the
+arguments (``csrc/flash_attn/flash_api.cpp``, mha_fwd/mha_bwd and set_params_fprop): bottom-right
+aligned causal/windows, window sides ``>= seqlen_k`` rewritten to unbounded, an unbounded right side
+next to a bounded left side rewritten to ``seqlen_k``, ``causal`` dropped for one query row, rows
+that see nothing returned with ``out = 0`` and ``lse = +inf``.  They also insist on what the kernel
+requires: equal head dims that are multiples of 8, no varlen, no dropout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def band(s_q: int, s_k: int, lo, hi) -> torch.Tensor:
+    """``[s_q, s_k]`` bool: ``lo <= j - i <= hi`` (``None``: that side unbounded)."""
+    i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+    seen = torch.ones(s_q, s_k, dtype=torch.bool)
+    if lo is not None:
+        seen &= j - i >= lo
+    if hi is not None:
+        seen &= j - i <= hi
+    return seen
+
+
+def flash2_visible(s_q: int, s_k: int, causal: bool, left: int, right: int) -> torch.Tensor:
+    """The pairs flash-attn 2 computes for these arguments, after its rewrites."""
+    left = -1 if left >= s_k else left
+    right = -1 if right >= s_k else right
+    if s_q == 1:
+        causal = False
+    if causal:
+        right = 0
+    if left < 0 and right >= 0:
+        left = s_k
+    if left >= 0 and right < 0:
+        right = s_k
+    if left < 0 and right < 0:
+        return torch.ones(s_q, s_k, dtype=torch.bool)
+    shift = s_k - s_q
+    return band(s_q, s_k, shift - left, shift + right)
+
+
+def _checked(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, causal, left, right):
+    assert cum_q is None and cum_k is None, "the dense path takes no cum_seq"
+    assert dropout_p == 0.0
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0, "flash needs one 8-aligned head dim"
+    assert q.shape[2] % k.shape[2] == 0 and (max_q, max_k) == (q.shape[1], k.shape[1])
+    left = -1 if left is None else left
+    right = -1 if right is None else right
+    assert isinstance(left, int) and isinstance(right, int) and left >= -1 and right >= -1
+    seen = flash2_visible(q.shape[1], k.shape[1], causal, left, right)
+    g = q.shape[2] // k.shape[2]
+    kx, vx = (t.to(torch.float64).repeat_interleave(g, dim=2) for t in (k, v))  # [b, s_k, h_q, d]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(torch.float64), kx)
+    return s, seen, kx, vx, g
+
+
+def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+                  *, scale=None, window_size_left=None, window_size_right=None):
+    s, seen, _, vx, _ = _checked(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                                 window_size_left, window_size_right)
+    s = (s * scale).masked_fill(~seen, float("-inf"))  # [b, h, s_q, s_k]
+    lse = torch.logsumexp(s, dim=-1)
+    dead = torch.isneginf(lse)
+    p = torch.exp(s - lse.masked_fill(dead, 0.0).unsqueeze(-1)).masked_fill(dead.unsqueeze(-1), 0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vx).to(query.dtype)
+    lse = lse.masked_fill(dead, float("inf"))  # flash-attn 2 marks empty rows with +inf
+    lse = lse.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+    return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(()), torch.empty(0)
+
+
+def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                   is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
+    s, seen, kx, vx, g = _checked(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                                  window_size_left, window_size_right)
+    assert grad_out.dtype == out.dtype == query.dtype and logsumexp.is_contiguous()
+    s = (s * scale).masked_fill(~seen, float("-inf"))
+    p = torch.exp(s - logsumexp.to(torch.float64).unsqueeze(-1))  # +inf lse -> 0
+    do = grad_out.to(torch.float64)
+    dvx = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vx)
+    delta = (do * out.to(torch.float64)).sum(-1).transpose(1, 2)  # [b, h, s_q]
+    ds = p * (dp - delta.unsqueeze(-1)) * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kx)
+    dkx = torch.einsum("bhqk,bqhd->bkhd", ds, query.to(torch.float64))
+    h_kv = key.shape[2]
+    dk, dv = dkx.unflatten(2, (h_kv, g)).sum(3), dvx.unflatten(2, (h_kv, g)).sum(3)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

@@ -1,0 +1,69 @@
+"""The online-softmax merge: partials over disjoint key sets fold into attention over their union."""
+
+import pytest
+import torch
+
+from megatron_longctx.kernels import BlockArgs, BlockMask, cpu_flash, merge, merge_into, reference
+
+from .cases import CASES, make_inputs
+
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+
+def partials(backend, q, k, v, args, cuts):
+    for a, b in zip(cuts, cuts[1:]):
+        block_args = BlockArgs(args.softmax_scale, args.mask, args.q_start, args.k_start + a)
+        yield backend.forward(q, k[:, a:b], v[:, a:b], block_args)
+
+
+@pytest.mark.parametrize("backend", [reference, cpu_flash], ids=lambda m: m.name)
+@pytest.mark.parametrize("case_name", ["dense", "causal_diagonal", "window_both", "gqa", "mla_dqk_lt_dv"])
+def test_two_halves_merge_to_the_whole(backend, case_name):
+    case = next(c for c in CASES if c.name == case_name)
+    q, k, v, _ = make_inputs(case, torch.float64)
+    args = case.args()
+    (out_a, lse_a), (out_b, lse_b) = partials(backend, q, k, v, args, [0, case.s_k // 2, case.s_k])
+    out, lse = merge(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = reference.forward(q, k, v, args)
+    torch.testing.assert_close(out, want_out, **TIGHT)
+    torch.testing.assert_close(lse, want_lse, **TIGHT)
+
+
+@pytest.mark.parametrize(
+    "cuts", [[0, 1, 6, 8], [0, 0, 8], [0, 8, 8], [0, 3, 3, 3, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8]], ids=str
+)
+def test_uneven_and_empty_partitions(cuts):
+    case = next(c for c in CASES if c.name == "causal_q_overlaps_after")
+    q, k, v, _ = make_inputs(case, torch.float64)
+    args = case.args()
+    out = lse = None
+    for part in partials(reference, q, k, v, args, cuts):
+        out, lse = merge_into(out, lse, *part)
+    want_out, want_lse = reference.forward(q, k, v, args)
+    torch.testing.assert_close(out, want_out, **TIGHT)
+    torch.testing.assert_close(lse, want_lse, **TIGHT)
+
+
+def test_partials_with_minus_inf_rows():
+    """Causal keys split so that early rows see nothing in the second partial, some rows nothing at all."""
+    case = next(c for c in CASES if c.name == "causal_q_overlaps_before")  # rows 0-3 see no key
+    q, k, v, _ = make_inputs(case, torch.float64)
+    args = case.args()
+    (out_a, lse_a), (out_b, lse_b) = partials(reference, q, k, v, args, [0, 2, case.s_k])
+    assert torch.isneginf(lse_b[:, :, :6]).all() and torch.isneginf(lse_a[:, :, :4]).all()
+    out, lse = merge(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = reference.forward(q, k, v, args)
+    torch.testing.assert_close(out, want_out, **TIGHT)
+    torch.testing.assert_close(lse, want_lse, **TIGHT)
+    assert torch.isneginf(lse[:, :, :4]).all() and torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
+    assert not out.isnan().any()
+
+
+def test_merge_dtypes():
+    q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
+    args = BlockArgs(0.3, BlockMask(causal=False))
+    out_a, lse_a = reference.forward(q, q, q, args)
+    out, lse = merge(out_a, lse_a, out_a, lse_a)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, out_a.float())  # the same partial twice: same rows, lse + log 2
+    torch.testing.assert_close(lse, lse_a + torch.log(torch.tensor(2.0)))
