@@ -1,0 +1,132 @@
+"""The command-line flags of a plan: Megatron-LM's own and megatron-longctx's ``--longctx-*``.
+
+Megatron's flags carry the model shape, the parallel layout (``--context-parallel-size``,
+``--cp-comm-type``, ``--hierarchical-context-parallel-sizes``) and Megatron's own recompute
+(``--recompute-*``).  The plugin's memory features come from :func:`longctx_options`, the one mapping
+from a plan to :class:`megatron_longctx.config.LongContextConfig` fields; flag names and validation
+come from the config dataclasses themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from megatron_longctx.config import FEATURES, LongContextConfig, flag_name
+
+from .model import GIB, ModelShape
+from .recommend import Plan
+
+# Megatron's --cp-comm-type -> the plugin's algorithm (the plugin's "auto" follows --cp-comm-type too).
+_ALGORITHM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}
+HOST_POOL_MARGIN = 1.1
+
+
+def longctx_options(plan: Plan) -> dict[str, Any]:
+    """``{LongContextConfig field: value}`` for the plugin's features this plan turns on."""
+    opt, par = plan.options, plan.parallel
+    out: dict[str, Any] = {}
+    if par.cp > 1:
+        out["cp_algorithm"] = _ALGORITHM[par.cp_comm_type]
+    if opt.offload == "checkpoint":  # the plugin's full recompute owns the checkpoints it offloads
+        out.update(recompute_granularity="full", offload_policy="checkpoint")
+    elif opt.offload == "layers":
+        out.update(offload_policy="layers", offload_num_layers=0)
+    activation_host = plan.memory.host_offload - (_optimizer_host_bytes(plan) if opt.optimizer_offload else 0.0)
+    if opt.offload != "none":
+        out["offload_host_pool_bytes"] = int(math.ceil(activation_host * HOST_POOL_MARGIN / GIB)) * GIB
+    if opt.tiled_mlp_tiles > 1:
+        out["tiled_mlp_tiles"] = opt.tiled_mlp_tiles
+    if opt.tiled_loss_tiles > 1:
+        out["tiled_loss_tiles"] = opt.tiled_loss_tiles
+    LongContextConfig.from_flat(out)  # validates names, values and combinations (raises ValueError)
+    return out
+
+
+def _optimizer_host_bytes(plan: Plan) -> float:
+    from .model import params_per_gpu
+
+    dense, experts = params_per_gpu(plan.model, plan.parallel)
+    return 12 * (dense + experts) / max(plan.parallel.dp * plan.parallel.cp, 1)
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for _, cls in FEATURES for f in dataclasses.fields(cls)}
+
+
+def longctx_flags(plan: Plan) -> list[str]:
+    """``--longctx-*`` flags for the values of :func:`longctx_options` that differ from the defaults."""
+    defaults, argv = _defaults(), []
+    for name, value in longctx_options(plan).items():
+        if value == defaults.get(name):
+            continue
+        if isinstance(value, bool):  # argparse.BooleanOptionalAction: --longctx-x / --no-longctx-x
+            argv.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
+        elif isinstance(value, (tuple, list)):
+            argv += [flag_name(name), *map(str, value)]
+        else:
+            argv += [flag_name(name), str(value)]
+    return argv
+
+
+def model_flags(m: ModelShape) -> list[str]:
+    """Megatron-LM flags of the model shape."""
+    argv = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--ffn-hidden-size", m.ffn_hidden_size,
+            "--num-attention-heads", m.num_attention_heads, "--normalization", m.normalization,
+            "--disable-bias-linear", "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+    if m.multi_latent_attention:
+        argv += ["--multi-latent-attention", "--kv-lora-rank", m.kv_lora_rank, "--qk-head-dim", m.qk_head_dim,
+                 "--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim, "--v-head-dim", m.v_head_dim]
+        if m.q_lora_rank is not None:
+            argv += ["--q-lora-rank", m.q_lora_rank]
+    else:
+        argv += ["--kv-channels", m.kv_channels]
+        if m.num_query_groups != m.num_attention_heads:
+            argv += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
+    if m.activation == "swiglu":
+        argv.append("--swiglu")
+    if m.rope:
+        argv += ["--position-embedding-type", "rope", "--rotary-base", m.rotary_base]
+    if m.untie_embeddings:
+        argv.append("--untie-embeddings-and-output-weights")
+    if m.num_experts is not None:
+        argv += ["--num-experts", m.num_experts, "--moe-router-topk", m.moe_router_topk,
+                 "--moe-ffn-hidden-size", m.moe_ffn_hidden_size, "--moe-token-dispatcher-type", "alltoall"]
+        if m.moe_shared_expert_intermediate_size:
+            argv += ["--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size]
+        if m.moe_first_dense_layers:
+            pattern = f"([0]*{m.moe_first_dense_layers}+[1]*{m.num_layers - m.moe_first_dense_layers})"
+            argv += ["--moe-layer-freq", pattern]
+    return [str(a) for a in argv]
+
+
+def megatron_flags(plan: Plan) -> list[str]:
+    """Megatron-LM flags: model shape, sequence, batch, parallel layout, precision, Megatron recompute."""
+    par, opt = plan.parallel, plan.options
+    argv = model_flags(plan.model) + [
+        "--seq-length", plan.seq_length, "--max-position-embeddings", plan.seq_length,
+        "--micro-batch-size", par.micro_batch, "--global-batch-size", par.micro_batch * par.dp,
+        "--tensor-model-parallel-size", par.tp, "--context-parallel-size", par.cp,
+        "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    ]
+    if par.tp > 1:
+        argv.append("--sequence-parallel")
+    if par.cp > 1:
+        argv += ["--cp-comm-type", par.cp_comm_type]
+        if par.cp_comm_type == "a2a+p2p":
+            argv += ["--hierarchical-context-parallel-sizes", par.ulysses_size, par.cp // par.ulysses_size]
+    if par.ep > 1:
+        argv += ["--expert-model-parallel-size", par.ep]
+    if opt.recompute == "full" and opt.offload != "checkpoint":
+        argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    elif opt.recompute == "selective":
+        argv += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+    if opt.optimizer_offload:
+        argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0", "--use-precision-aware-optimizer"]
+    return [str(a) for a in argv]
+
+
+def all_flags(plan: Plan) -> list[str]:
+    return megatron_flags(plan) + longctx_flags(plan)

@@ -1,0 +1,393 @@
+"""Analytic per-GPU memory model of Megatron-Core training: weights, gradients, optimizer, activations.
+
+Activation bytes follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv:2205.05198): a GPT-3-style layer (MHA, GELU MLP of 4h, dropout, flash attention) saves
+34·s·b·h bytes in 16-bit, divided by TP under sequence parallelism.  Here the same count is written
+per saved tensor so that it covers GQA, RoPE, SwiGLU, MoE, MLA and Megatron's local (unfused)
+attention, which also keeps the ``[b, h, s, s]`` probabilities.  Context parallelism divides the
+tokens of every term.  Optimizer states follow Megatron's distributed optimizer (ZeRO-1, Rajbhandari
+et al. arXiv:1910.02054): bf16 weights and fp32 gradient buffers on every rank, fp32 master weights
+and the two Adam moments sharded over the data-parallel × context-parallel group.
+
+All sizes are bytes unless a name says otherwise; ``s`` is the global sequence length, ``b`` the
+micro-batch, ``tp``/``cp`` the parallel sizes, ``e`` bytes per activation element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Optional
+
+GIB = 1 << 30
+ATTENTION_IMPLS = ("flash", "local")
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "checkpoint", "layers")
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer as Megatron-Core builds it (flag names in the comments)."""
+
+    name: str
+    num_layers: int  # --num-layers
+    hidden_size: int  # --hidden-size
+    num_attention_heads: int  # --num-attention-heads
+    num_query_groups: int  # --num-query-groups (= heads for MHA)
+    kv_channels: int  # --kv-channels (head dim)
+    ffn_hidden_size: int  # --ffn-hidden-size (dense layers)
+    vocab_size: int  # --vocab-size (padded)
+    activation: str = "swiglu"  # swiglu (--swiglu) | gelu
+    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    rope: bool = True  # --position-embedding-type rope
+    rotary_base: int = 10000
+    untie_embeddings: bool = True  # --untie-embeddings-and-output-weights
+    # Mixture of experts (--num-experts ...); None = dense.
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    moe_first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace
+    # Multi-latent attention (DeepSeek-V2, arXiv:2405.04434).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                     "ffn_hidden_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}: got {getattr(self, name)}; give a positive integer")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"--num-query-groups {self.num_query_groups} must divide --num-attention-heads "
+                             f"{self.num_attention_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: choose one of {ACTIVATIONS}")
+        if self.num_experts is not None and (self.moe_ffn_hidden_size <= 0 or self.moe_router_topk <= 0):
+            raise ValueError("--num-experts needs --moe-ffn-hidden-size > 0 and --moe-router-topk > 0")
+
+    # Head geometry: what attention sees per token.
+    @property
+    def q_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of K/V as attention receives them (MLA up-projects K/V to every query head)."""
+        return self.num_attention_heads if self.multi_latent_attention else self.num_query_groups
+
+    @property
+    def d_qk(self) -> int:
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
+
+    @property
+    def d_v(self) -> int:
+        return self.v_head_dim if self.multi_latent_attention else self.kv_channels
+
+    @property
+    def num_moe_layers(self) -> int:
+        return 0 if self.num_experts is None else self.num_layers - self.moe_first_dense_layers
+
+    @property
+    def glu(self) -> int:
+        """FC1 width multiplier: 2 for gated (SwiGLU) MLPs."""
+        return 2 if self.activation == "swiglu" else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    attention: int  # per layer
+    dense_mlp: int  # per dense layer
+    moe_routed: int  # per MoE layer, all experts
+    moe_active: int  # per MoE layer, the experts one token uses (+ router, shared experts)
+    moe_shared: int  # per MoE layer: shared experts (TP-sharded like a dense MLP)
+    moe_router: int  # per MoE layer: router (replicated on every TP rank)
+    norms: int  # per layer
+    embedding: int  # input embedding (+ output layer when untied)
+    total: int
+    active: int  # per-token active parameters (MoE: top-k experts)
+
+
+def param_counts(m: ModelShape) -> ParamCounts:
+    """Parameter counts as Megatron builds the model (no biases: ``--disable-bias-linear``)."""
+    h = m.hidden_size
+    if m.multi_latent_attention:
+        hq = m.num_attention_heads
+        q = h * hq * m.d_qk if m.q_lora_rank is None else m.q_lora_rank * (h + hq * m.d_qk + 1)
+        kv = m.kv_lora_rank * (h + hq * (m.qk_head_dim + m.v_head_dim) + 1) + h * m.qk_pos_emb_head_dim
+        attention = q + kv + hq * m.v_head_dim * h
+    else:
+        attention = h * m.kv_channels * (2 * m.num_attention_heads + 2 * m.num_query_groups)
+    dense_mlp = (m.glu + 1) * h * m.ffn_hidden_size
+    norm = h if m.normalization == "RMSNorm" else 2 * h
+    norms = 2 * norm
+    if m.num_experts is not None:
+        per_expert = (m.glu + 1) * h * m.moe_ffn_hidden_size
+        shared = (m.glu + 1) * h * m.moe_shared_expert_intermediate_size
+        router = h * m.num_experts
+        moe_routed, moe_shared, moe_router = per_expert * m.num_experts, shared, router
+        moe_active = per_expert * m.moe_router_topk + shared + router
+    else:
+        moe_routed = moe_active = moe_shared = moe_router = 0
+    embedding = m.vocab_size * h * (2 if m.untie_embeddings else 1)
+    n_dense = m.num_layers - m.num_moe_layers
+    base = m.num_layers * (attention + norms) + norm + embedding + n_dense * dense_mlp
+    total = base + m.num_moe_layers * (moe_routed + moe_shared + moe_router)
+    active = base + m.num_moe_layers * moe_active
+    return ParamCounts(attention, dense_mlp, moe_routed, moe_active, moe_shared, moe_router, norms, embedding, total,
+                       active)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """How the job is split: sizes and the CP algorithm (Megatron's ``--cp-comm-type`` names)."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1  # expert parallel (MoE), carved out of dp × cp as in Megatron
+    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
+    ulysses_size: int = 1  # a2a+p2p: size of the all-to-all sub-group (first hierarchical size)
+    micro_batch: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    """Activation-memory settings (Megatron's ``--recompute-*`` and ``--longctx-*`` memory features)."""
+
+    attention_impl: str = "flash"  # flash: saves q, k, v, out, lse | local: also the [b, h, s, s] probs
+    recompute: str = "none"  # none | selective (core_attn) | full (every layer, uniform)
+    offload: str = "none"  # none | checkpoint (layer inputs under full recompute) | layers (all saved tensors)
+    tiled_mlp_tiles: int = 1
+    tiled_loss_tiles: int = 1
+    optimizer_offload: bool = False  # Megatron's --optimizer-cpu-offload: master weights + Adam moments on host
+    bytes_per_element: int = 2
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    fused_swiglu: bool = True  # Megatron's bias_swiglu fusion saves only FC1's output
+    fused_rope: bool = True  # TE's fused RoPE; the unfused one keeps cos/sin [s, 1, 1, d] per use
+    dropout_mask_bytes: int = 1  # CUDA's fused dropout keeps a bool mask; the CPU keeps a noise tensor (e)
+    sequence_parallel: bool = True  # with TP > 1
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("recompute", RECOMPUTE), ("offload", OFFLOAD)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        if self.offload == "checkpoint" and self.recompute != "full":
+            raise ValueError("offload='checkpoint' moves the inputs that full recompute keeps; set recompute='full'")
+        if self.tiled_mlp_tiles < 1 or self.tiled_loss_tiles < 1:
+            raise ValueError("tiled_mlp_tiles and tiled_loss_tiles must be >= 1 (1 = off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerActivations:
+    """Bytes one transformer layer keeps for backward on one GPU, by part (no recompute)."""
+
+    norms: float  # both norms' inputs + statistics, and their outputs (saved by QKV / FC1)
+    attention: float  # q, k, v (+ the QKV buffer a V view keeps alive), out, lse
+    scores: float  # local attention only: softmax probs (+ dropout mask, dropped probs)
+    mlp: float  # FC1 output, activation output (MoE: permuted tokens and expert intermediates)
+    dropout_masks: float  # hidden dropout masks after attention and MLP
+
+    @property
+    def total(self) -> float:
+        return self.norms + self.attention + self.scores + self.mlp + self.dropout_masks
+
+
+def _attention_elems_per_token(m: ModelShape, impl: str) -> float:
+    """Elements of q/k/v/out that attention keeps per token (all heads, before TP division)."""
+    hq, hkv = m.q_heads, m.kv_heads
+    if m.multi_latent_attention:
+        q_lora = 0 if m.q_lora_rank is None else 2 * m.q_lora_rank
+        latents = 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim + q_lora  # down-projections and their norms
+        kv_up = hq * (m.qk_head_dim + m.v_head_dim)  # kept alive by the V view
+        return latents + kv_up + 2 * hq * m.d_qk + 2 * hq * m.d_v
+    d = m.kv_channels
+    qkv_buffer = (hq + 2 * hkv) * d  # one linear_qkv output; q/k/v start as views of it
+    out = hq * d
+    if impl == "local" and hq > hkv:
+        # repeat_interleave expands K and V to every query head (new tensors); q is new under RoPE.
+        q = hq * d if m.rope else qkv_buffer
+        return q + 2 * hq * d + out
+    # V stays a view of the QKV buffer; RoPE writes q and k into new tensors.
+    rope = (hq + hkv) * d if m.rope else 0
+    return qkv_buffer + rope + out
+
+
+def layer_activations(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, moe_layer: bool = False,
+                      ) -> LayerActivations:
+    """Bytes saved for backward by one layer on one GPU without recompute (tokens ``b·s/cp``, TP-sharded).
+
+    Korthikanti et al. Table 2 per tensor: LN inputs 2sbh·2, QKV input, Q/K/V, attention out, MLP
+    FC1 output and activation output, dropout masks (1 byte).  Local attention adds the probabilities
+    ``b·hq·s²`` (plus mask and dropped copy under attention dropout).
+    """
+    if opt.attention_impl == "local" and par.cp > 1:
+        raise ValueError("Megatron's local attention does not support context parallelism; use attention_impl="
+                         "'flash' (TE or megatron_longctx) with --context-parallel-size > 1")
+    e, t, h = opt.bytes_per_element, par.tp, m.hidden_size
+    n = par.micro_batch * s / par.cp  # tokens on this GPU
+    sp = t if opt.sequence_parallel else 1  # sequence parallel shards what lies outside attention and MLP
+    stats = 4 if m.normalization == "RMSNorm" else 8  # fp32 rstd (and mean for LayerNorm) per token
+    norms = n * 2 * (2 * h * e + stats) / sp
+    attn = n * _attention_elems_per_token(m, opt.attention_impl) * e / t
+    scores = 0.0
+    if opt.attention_impl == "flash":
+        attn += n * m.q_heads * 4 / t  # fp32 log-sum-exp per query head
+    if m.rope and not opt.fused_rope:
+        attn += 4 * s / par.cp * m.d_qk * e  # unfused RoPE keeps cos and sin [s, 1, 1, d] for q and for k
+    if opt.attention_impl == "local" and opt.recompute != "selective":  # selective: core_attn is recomputed
+        probs = par.micro_batch * m.q_heads * float(s) * s / t
+        scores = probs * e + (probs * (opt.dropout_mask_bytes + e) if opt.attention_dropout > 0 else 0.0)
+    if moe_layer:
+        f, k = m.moe_ffn_hidden_size, m.moe_router_topk
+        act = (m.glu + 1) * f if (m.activation == "gelu" or opt.fused_swiglu) else 2 * m.glu * f
+        routed = k * (2 * h + act)  # permuted input + unpermute input per copy, FC1 out, activation out
+        fs = m.moe_shared_expert_intermediate_size
+        shared = ((m.glu + 1) * fs if opt.fused_swiglu else 2 * m.glu * fs) if fs else 0
+        router = m.num_experts * 3 * 4 / e  # fp32 logits, probs, routing map
+        mlp = n * (routed + shared + router) * e / t
+    else:
+        f = m.ffn_hidden_size
+        act = (m.glu + 1) * f if (m.activation == "gelu" or opt.fused_swiglu) else 2 * m.glu * f
+        mlp = n * act * e / t
+    masks = n * 2 * h * opt.dropout_mask_bytes / sp if opt.hidden_dropout > 0 else 0.0
+    return LayerActivations(norms, attn, scores, mlp, masks)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted peak bytes per GPU, by part, and the host bytes offload needs per GPU."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward across all layers (what stays on the GPU)
+    working: float  # one layer's recompute/backward working set (full recompute or tiled MLP)
+    attention_workspace: float  # CP buffers, gathered K/V, fp32 dq/dk/dv accumulators
+    logits: float  # logits + fp32 softmax of the loss (divided by loss tiles)
+    reserved: float  # CUDA context, NCCL buffers, allocator slack
+    host_offload: float  # bytes moved to host memory per GPU
+    per_layer: LayerActivations = field(repr=False, default=None)
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        transient = max(self.logits, self.working + self.attention_workspace)
+        return self.model_states + self.activations + transient + self.reserved
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("weights (bf16)", self.weights), ("grads (fp32 buffer)", self.grads),
+                ("optimizer (dist., fp32 m/v/master)", self.optimizer), ("activations saved", self.activations),
+                ("layer working set", self.working), ("attention workspace", self.attention_workspace),
+                ("logits + loss", self.logits), ("reserved", self.reserved), ("peak", self.peak),
+                ("host (offload)", self.host_offload)]
+
+
+def params_per_gpu(m: ModelShape, par: Parallel) -> tuple[float, float]:
+    """(dense params on one GPU, routed-expert params on one GPU); experts split over EP × TP."""
+    p = param_counts(m)
+    tp_sharded = m.num_layers * p.attention + (m.num_layers - m.num_moe_layers) * p.dense_mlp
+    tp_sharded += m.num_moe_layers * p.moe_shared + p.embedding
+    final_norm = m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+    replicated = m.num_layers * p.norms + final_norm + m.num_moe_layers * p.moe_router
+    experts = m.num_moe_layers * p.moe_routed / (par.ep * par.tp)
+    return tp_sharded / par.tp + replicated, experts
+
+
+def saved_per_layer(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, moe_layer: bool = False) -> float:
+    """Bytes one layer keeps on the GPU from its forward to its backward, before any offload.
+
+    Full recompute keeps the layer input ``[s/cp (/tp under SP), b, h]`` only; TiledMLP keeps the
+    MLP's input instead of its intermediates; otherwise :func:`layer_activations`.
+    """
+    if opt.recompute == "full":
+        sp = par.tp if opt.sequence_parallel else 1
+        return par.micro_batch * s / par.cp * m.hidden_size * opt.bytes_per_element / sp
+    a = layer_activations(m, s, par, opt, moe_layer=moe_layer)
+    return a.total - (a.mlp if opt.tiled_mlp_tiles > 1 else 0.0)
+
+
+def attention_workspace_bytes(m: ModelShape, s: int, par: Parallel, e: int) -> float:
+    """Transient bytes inside one layer's CP attention (forward or backward, the larger)."""
+    n = par.micro_batch * s / par.cp
+    hq, hkv = m.q_heads / par.tp, max(m.kv_heads / par.tp, 1)
+    kv = n * hkv * (m.d_qk + m.d_v)  # elements of this rank's K and V
+    dq = n * hq * m.d_qk * 4 + n * hq * 4  # fp32 dq accumulator + lse/delta
+    if par.cp == 1:
+        return dq
+    if par.cp_comm_type == "p2p":
+        return dq + kv * (2 * e + 2 * 4)  # K/V in flight (send+recv), dK/dV in flight in fp32
+    if par.cp_comm_type == "all_gather":
+        return dq + par.cp * kv * (e + 4)  # gathered K/V and their fp32 gradients
+    if par.cp_comm_type == "a2a":
+        return dq + 2 * n * (hq * (m.d_qk + m.d_v) + kv / n) * e  # re-laid q/k/v/out, send + receive
+    u = par.ulysses_size  # a2a+p2p: all-to-all, then a ring over cp/u ranks with hkv/u heads
+    return dq + 2 * n * (hq * (m.d_qk + m.d_v)) * e + kv * (2 * e + 2 * 4) / max(u, 1)
+
+
+def memory_breakdown(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, *, reserved_gib: float = 3.0,
+                     ) -> MemoryBreakdown:
+    """Peak memory of one GPU (PP = 1) training ``m`` on sequences of ``s`` tokens."""
+    e = opt.bytes_per_element
+    dense, experts = params_per_gpu(m, par)
+    weights = 2 * (dense + experts)
+    grads = 4 * (dense + experts)  # Megatron accumulates and reduces gradients in fp32 under bf16
+    expert_dp = max(par.dp * par.cp // par.ep, 1)
+    optimizer = 12 * dense / (par.dp * par.cp) + 12 * experts / expert_dp
+
+    n_moe = m.num_moe_layers
+    dense_layer = layer_activations(m, s, par, opt, moe_layer=False)
+    moe_layer = layer_activations(m, s, par, opt, moe_layer=True) if n_moe else dense_layer
+    tiles = opt.tiled_mlp_tiles
+
+    def tiled(a: LayerActivations) -> float:
+        # TiledMLP keeps only the MLP input (already counted with the norms) and recomputes per tile.
+        return a.total - (a.mlp if tiles > 1 else 0.0)
+
+    largest = moe_layer if n_moe else dense_layer
+    n = par.micro_batch * s / par.cp
+    sp = par.tp if opt.sequence_parallel else 1
+    layer_input = n * m.hidden_size * e / sp
+    mlp_tile = largest.mlp / tiles
+    saved = (m.num_layers - n_moe) * saved_per_layer(m, s, par, opt)
+    if n_moe:
+        saved += n_moe * saved_per_layer(m, s, par, opt, moe_layer=True)
+    if opt.recompute == "full":
+        working = tiled(largest) + mlp_tile  # one layer recomputed during backward
+    else:
+        working = mlp_tile  # backward holds the gradients of the MLP intermediates (one tile's worth)
+    host = 0.0
+    if opt.offload == "checkpoint":
+        host, saved = saved, 2 * layer_input  # one being written, one prefetched
+    elif opt.offload == "layers":
+        per_layer = saved / m.num_layers
+        host, saved = saved, 2 * per_layer
+    if opt.optimizer_offload:
+        host, optimizer = host + optimizer, 0.0
+    final = n * 2 * m.hidden_size * e / sp  # final norm input and output
+    logits = n * m.vocab_size / par.tp * (2 * e + 4) / opt.tiled_loss_tiles
+    return MemoryBreakdown(
+        weights=weights, grads=grads, optimizer=optimizer, activations=saved + final, working=working,
+        attention_workspace=attention_workspace_bytes(m, s, par, e), logits=logits,
+        reserved=reserved_gib * GIB, host_offload=host, per_layer=largest,
+    )
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, heads: int, tp: int = 1, flash: bool = True) -> float:
+    """Korthikanti et al. eq. for a GPT-3 layer in 16-bit with sequence parallelism.
+
+    ``s·b·h·(34 + 5·a·s/h)/t``; with flash attention the ``5·a·s/h`` term (probabilities, mask) vanishes.
+    """
+    return s * b * h * (34 + (0 if flash else 5 * heads * s / h)) / tp

@@ -1,0 +1,188 @@
+"""Analytic step time: matmul and attention FLOPs, TP / CP / DP / offload traffic, and what overlaps.
+
+FLOPs: 6·N per token for the matmuls (Kaplan et al. 2020); causal attention per layer
+fwd ≈ 2·b·s²·H, fwd+bwd ≈ 7·b·s²·H (FlashAttention-2 backward ≈ 2.5× forward), 9·b·s²·H when full
+recompute replays the forward.  CP traffic per rank per layer (forward; backward moves K/V and dK/dV):
+ring / all-gather (P−1)/P·2·b·s·hkv·d·e; Ulysses (DeepSpeed-Ulysses, arXiv:2309.14509) four
+all-to-alls of (P−1)/P²·b·s·d·(2hq+2hkv)·e together.  Ring attention (Liu et al. arXiv:2310.01889)
+hides its transfers while each step's block compute is longer than the block's transfer, i.e. when
+tokens per GPU c ≥ (F/B)·(hkv/hq)·e/k (k = 1 causal zigzag, 2 full).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .model import MemoryOptions, ModelShape, Parallel, param_counts, params_per_gpu
+
+
+OFFLOAD_CONTENTION = 0.05  # share of a hidden device<->host copy that still slows compute
+TILE_OVERHEAD_S = 1e-4  # per tile and pass of tiled MLP / tiled loss
+HOST_ADAM_PARAMS_PER_S = 1e9  # CPU Adam throughput available to one GPU's optimizer shard
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One GPU model and its links; bandwidths are per GPU, per direction, in bytes/s."""
+
+    name: str
+    memory_gib: float
+    bf16_tflops: float  # dense peak
+    intra_node_gbps: float  # NVLink (GB/s)
+    inter_node_gbps: float  # InfiniBand / RoCE per GPU (GB/s)
+    host_gbps: float  # PCIe / C2C to pinned host memory (GB/s)
+    gpus_per_node: int = 8
+    host_memory_gib_per_gpu: float = 240.0
+    matmul_efficiency: float = 0.6  # achieved / peak for large bf16 GEMMs
+    attention_efficiency: float = 0.5  # achieved / peak for flash attention fwd+bwd
+    link_efficiency: float = 0.8  # achieved / nominal bandwidth
+    step_latency_s: float = 20e-6  # one ring step / collective launch
+
+    def __post_init__(self) -> None:
+        for name in ("memory_gib", "bf16_tflops", "intra_node_gbps", "inter_node_gbps", "host_gbps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}: got {getattr(self, name)}; give a positive number")
+
+    @property
+    def flops(self) -> float:
+        return self.bf16_tflops * 1e12
+
+
+def attention_flops(b: int, s: int, hidden: int, *, causal: bool = True, backward: bool = True,
+                    recompute: bool = False) -> float:
+    """FLOPs of one layer's attention core over the whole sequence: ``2·b·s²·H`` causal forward."""
+    fwd = 2.0 * b * s * s * hidden * (1.0 if causal else 2.0)
+    if not backward:
+        return fwd
+    return fwd * (3.5 + (1.0 if recompute else 0.0))
+
+
+def attention_hidden(m: ModelShape) -> float:
+    """``H`` of the attention FLOP formula: hq·(d_qk + d_v)/2 (= hq·d without MLA)."""
+    return m.q_heads * (m.d_qk + m.d_v) / 2
+
+
+def ring_bytes(b: int, s: int, kv_heads: float, d_qk: int, d_v: int, p: int, e: int) -> float:
+    """Bytes each rank receives per layer in the forward of ring (or all-gather) attention."""
+    return (p - 1) / p * b * s * kv_heads * (d_qk + d_v) * e
+
+
+def ulysses_bytes(b: int, s: int, q_heads: float, kv_heads: float, d: int, p: int, e: int) -> float:
+    """Bytes each rank sends per layer in Ulysses' forward: q, k, v in and the output back."""
+    return (p - 1) / (p * p) * b * s * d * (2 * q_heads + 2 * kv_heads) * e
+
+
+def ring_overlap_tokens(m: ModelShape, hw: Hardware, *, inter_node: bool, e: int = 2, causal: bool = True) -> float:
+    """Tokens per GPU above which ring attention hides its K/V transfers behind compute."""
+    bw = (hw.inter_node_gbps if inter_node else hw.intra_node_gbps) * 1e9
+    k = 1 if causal else 2
+    return hw.flops / bw * (m.kv_heads / m.q_heads) * e / k
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds of one training step (one micro-batch per data-parallel rank), by part."""
+
+    matmul: float
+    attention: float
+    cp_exposed: float
+    tp_comm: float
+    dp_exposed: float
+    offload_exposed: float
+    model_flops_per_gpu: float  # useful FLOPs (no recompute), for MFU
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention + self.cp_exposed + self.tp_comm + self.dp_exposed + self.offload_exposed
+
+
+def _cp_link(par: Parallel, hw: Hardware) -> float:
+    inter = par.tp * par.cp > hw.gpus_per_node  # TP innermost, then CP
+    return (hw.inter_node_gbps if inter else hw.intra_node_gbps) * 1e9 * hw.link_efficiency
+
+
+def cp_times(m: ModelShape, s: int, par: Parallel, hw: Hardware, attn_fwd_s: float, e: int) -> tuple[float, float]:
+    """(attention seconds incl. overlapped transfers, exposed CP communication) for one layer fwd+bwd."""
+    attn_bwd_s = attn_fwd_s * 2.5
+    p, b = par.cp, par.micro_batch
+    if p == 1:
+        return attn_fwd_s + attn_bwd_s, 0.0
+    hq, hkv = m.q_heads / par.tp, max(m.kv_heads / par.tp, 1)
+    lat = hw.step_latency_s
+    if par.cp_comm_type == "p2p":
+        fwd = ring_bytes(b, s, hkv, m.d_qk, m.d_v, p, e) / _cp_link(par, hw)
+        t_f, t_b = max(attn_fwd_s, fwd), max(attn_bwd_s, 2 * fwd)  # backward moves K/V and dK/dV
+        exposed = (t_f - attn_fwd_s) + (t_b - attn_bwd_s) + 2 * p * lat
+        return attn_fwd_s + attn_bwd_s, exposed
+    if par.cp_comm_type == "all_gather":
+        fwd = ring_bytes(b, s, hkv, m.d_qk, m.d_v, p, e) / _cp_link(par, hw)
+        return attn_fwd_s + attn_bwd_s, 2 * fwd + 2 * lat  # gather K/V, reduce-scatter dK/dV
+    if par.cp_comm_type == "a2a":
+        a2a = ulysses_bytes(b, s, hq, max(hkv, p), max(m.d_qk, m.d_v), p, e) / _cp_link(par, hw)
+        return attn_fwd_s + attn_bwd_s, 2 * a2a + 8 * lat
+    u, r = par.ulysses_size, p // par.ulysses_size  # a2a+p2p: Ulysses inside the node, ring across
+    intra = hw.intra_node_gbps * 1e9 * hw.link_efficiency
+    inter = hw.inter_node_gbps * 1e9 * hw.link_efficiency if r > 1 and par.tp * p > hw.gpus_per_node else intra
+    a2a = ulysses_bytes(b, s // r, hq, max(hkv, u), max(m.d_qk, m.d_v), u, e) / intra
+    ring = ring_bytes(b, s, max(hkv / u, 1), m.d_qk, m.d_v, r, e) / inter if r > 1 else 0.0
+    t_f, t_b = max(attn_fwd_s, ring), max(attn_bwd_s, 2 * ring)
+    exposed = (t_f - attn_fwd_s) + (t_b - attn_bwd_s) + 2 * a2a + (2 * r + 8) * lat
+    return attn_fwd_s + attn_bwd_s, exposed
+
+
+def step_time(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, hw: Hardware,
+              host_bytes: float = 0.0) -> StepTime:
+    """Predicted seconds of one step on one GPU (every GPU does the same work; PP = 1)."""
+    e, b, t = opt.bytes_per_element, par.micro_batch, par.tp
+    n = b * s / par.cp  # tokens on this GPU
+    pc = param_counts(m)
+    layer_params = pc.attention + (pc.moe_active if m.num_experts else pc.dense_mlp)
+    mm_fwd_layer = 2 * n * layer_params / t
+    logits_fwd = 2 * n * m.hidden_size * m.vocab_size / t
+    attn_fwd_layer = attention_flops(b, s, attention_hidden(m), backward=False) / (par.cp * t)
+
+    replay = opt.recompute == "full"
+    mlp_share = (pc.moe_active if m.num_experts else pc.dense_mlp) / layer_params
+    extra_mlp = 0.0 if replay or opt.tiled_mlp_tiles == 1 else mm_fwd_layer * mlp_share  # TiledMLP replay
+    extra_loss = logits_fwd if opt.tiled_loss_tiles > 1 else 0.0
+    mm_flops = m.num_layers * (3 * mm_fwd_layer + (mm_fwd_layer if replay else extra_mlp)) + 3 * logits_fwd
+    mm_flops += extra_loss
+    matmul_s = mm_flops / (hw.flops * hw.matmul_efficiency)
+    if opt.tiled_mlp_tiles > 1:  # smaller GEMMs and a launch per tile, forward and backward
+        matmul_s += m.num_layers * 2 * opt.tiled_mlp_tiles * TILE_OVERHEAD_S
+    if opt.tiled_loss_tiles > 1:
+        matmul_s += 2 * opt.tiled_loss_tiles * TILE_OVERHEAD_S
+
+    attn_fwd_s = attn_fwd_layer / (hw.flops * hw.attention_efficiency)
+    attn_s, cp_exposed = cp_times(m, s, par, hw, attn_fwd_s, e)
+    attention_s = m.num_layers * (attn_s + (attn_fwd_s if replay else 0.0))
+    cp_s = m.num_layers * cp_exposed
+
+    tp_s = 0.0
+    if t > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters forward; backward ≈ 1.5× that
+        unit = (t - 1) / t * n * m.hidden_size * e / (hw.intra_node_gbps * 1e9 * hw.link_efficiency)
+        tp_s = m.num_layers * unit * (10 + (4 if replay else 0))
+
+    dp_s = 0.0
+    group = par.dp * par.cp
+    if group > 1:  # fp32 grad reduce-scatter + bf16 param all-gather, overlapped but for the last bucket
+        dense, experts = params_per_gpu(m, par)
+        link = hw.inter_node_gbps if par.world > hw.gpus_per_node else hw.intra_node_gbps
+        dp_bytes = (group - 1) / group * 6 * (dense + experts)
+        dp_s = dp_bytes / (link * 1e9 * hw.link_efficiency) / m.num_layers + 2 * hw.step_latency_s
+
+    off_s = 0.0
+    host_link = hw.host_gbps * 1e9 * hw.link_efficiency
+    if opt.optimizer_offload:  # fp32 grads down, bf16 params up, Adam on the host
+        dense, experts = params_per_gpu(m, par)
+        shard = (dense + experts) / max(par.dp * par.cp, 1)
+        off_s += shard * 6 / host_link + shard / HOST_ADAM_PARAMS_PER_S
+        host_bytes = max(0.0, host_bytes - 12 * shard)
+    if host_bytes > 0:  # activations: copy out in forward, back in backward, one layer at a time
+        per_layer = host_bytes / m.num_layers / host_link
+        fwd_layer = (mm_fwd_layer / (hw.flops * hw.matmul_efficiency)) + attn_fwd_s
+        # Copies share HBM bandwidth with compute: charge a share of them even when hidden.
+        off_s += m.num_layers * 2 * (max(0.0, per_layer - fwd_layer) + OFFLOAD_CONTENTION * per_layer)
+
+    useful = m.num_layers * (3 * mm_fwd_layer + attn_fwd_layer * 3.5) + 3 * logits_fwd
+    return StepTime(matmul_s, attention_s, cp_s, tp_s, dp_s, off_s, useful)
