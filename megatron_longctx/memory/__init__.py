@@ -1,0 +1,33 @@
+"""Activation memory for long context: offload, recompute, tiled MLP, tiled logits + loss, accounting.
+
+Public entry points (names that need Megatron-Core load on first use):
+
+* :class:`MemoryConfig` — the typed configuration (``--longctx-*`` flags);
+* :func:`apply_memory_to_layer_spec` — spec-level changes (tiled MLP, selective recompute wrappers);
+* :func:`install` — hooks on a built model (offload, full recompute, tiled loss); returns a handle with
+  ``remove()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from megatron_longctx.memory.config import MemoryConfig  # noqa: F401 - public name
+
+_LAZY = {
+    "apply_memory_to_layer_spec": "megatron_longctx.memory.spec",
+    "install": "megatron_longctx.memory.spec",
+    "MemoryHandle": "megatron_longctx.memory.spec",
+    "ActivationOffloader": "megatron_longctx.memory.offload",
+    "tiled_logits_loss": "megatron_longctx.memory.tiled_loss",
+    "TiledMLP": "megatron_longctx.memory.tiled_mlp",
+    "SavedTensorAccountant": "megatron_longctx.memory.accounting",
+}
+
+__all__ = sorted([*_LAZY, "MemoryConfig"])
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'megatron_longctx.memory' has no attribute {name!r}")

@@ -1,0 +1,212 @@
+"""Wire the memory features into Megatron: a layer-spec edit and hooks on a built model.
+
+:func:`apply_memory_to_layer_spec` makes the spec build a :class:`TiledMLP` (same parameters and keys).
+:func:`install` puts the rest on a built model and returns a handle whose ``remove()`` undoes it:
+
+1. tiled MLP on MLPs the spec did not already tile, and the tiled loss on the post-process stage;
+2. selective recompute wrappers (innermost: they change what a module saves);
+3. offload scopes around named modules (policy ``modules``);
+4. one wrapper per transformer layer, outermost, in this order from the outside in: layer scope,
+   offload packer, discard-output packer, full-recompute checkpoint.  The offload packer sits outside
+   the checkpoint so it sees exactly what a recomputed layer keeps, its inputs (ALST checkpoint
+   offload); the discard packer sits inside the offload packer so a norm output is recomputed rather
+   than offloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from megatron_longctx.memory import hooks
+from megatron_longctx.memory.config import MemoryConfig
+from megatron_longctx.memory.offload import ActivationOffloader
+from megatron_longctx.memory.recompute import (
+    SELECTIVE_TARGETS,
+    DiscardOutputPacker,
+    find_submodule,
+    apply_selective_recompute,
+    checkpoint,
+    full_recompute_layers,
+)
+from megatron_longctx.memory.tiled_loss import install_tiled_loss
+from megatron_longctx.memory.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
+
+# Offload policy ``modules``: the submodule each name scopes (norm outputs are saved by their consumer,
+# so ``layernorm`` scopes the norms themselves: what the norm's backward keeps).
+OFFLOAD_TARGETS: dict[str, tuple[str, ...]] = {
+    **SELECTIVE_TARGETS,
+    "layernorm": ("input_layernorm", "pre_mlp_layernorm"),
+}
+
+
+def apply_memory_to_layer_spec(layer_spec: Any, cfg: MemoryConfig) -> Any:
+    """A copy of a TransformerLayer ``ModuleSpec`` with the spec-level memory features applied.
+
+    Today that is the tiled MLP (``--longctx-tiled-mlp-tiles`` > 1): the dense MLP becomes
+    :class:`TiledMLP` (same parameters and ``state_dict`` keys).  Also accepts a list of layer specs or
+    a block spec (``TransformerBlockSubmodules`` with ``layer_specs``).  Everything else needs a built
+    model: see :func:`install`.
+    """
+    if not isinstance(cfg, MemoryConfig):
+        raise ValueError(f"apply_memory_to_layer_spec: cfg must be a MemoryConfig, got {type(cfg).__name__}")
+    if cfg.tiled_mlp_tiles <= 1:
+        return layer_spec
+    return _tile_spec(layer_spec, cfg.tiled_mlp_tiles)
+
+
+def _tile_spec(spec: Any, num_tiles: int) -> Any:
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_tile_spec(s, num_tiles) for s in spec)
+    if hasattr(spec, "layer_specs"):  # TransformerBlockSubmodules
+        return dataclasses.replace(spec, layer_specs=_tile_spec(spec.layer_specs, num_tiles))
+    submodules = getattr(spec, "submodules", None)
+    if hasattr(submodules, "layer_specs"):  # a block ModuleSpec
+        return dataclasses.replace(spec, submodules=_tile_spec(submodules, num_tiles))
+    if not hasattr(submodules, "mlp"):
+        raise ValueError(f"--longctx-tiled-mlp-tiles: no TransformerLayer spec with an mlp in {type(spec).__name__}; "
+                         "pass a layer spec (e.g. get_gpt_layer_local_spec()) or set the option to 0")
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        submodules, mlp=tiled_mlp_spec(submodules.mlp, num_tiles)))
+
+
+@dataclasses.dataclass
+class MemoryHandle:
+    """What :func:`install` put on a model; ``remove()`` takes it all off again."""
+
+    cfg: MemoryConfig
+    layers: list
+    offloader: Optional[ActivationOffloader]
+    removers: list = dataclasses.field(default_factory=list)
+
+    def remove(self) -> None:
+        while self.removers:
+            self.removers.pop()()
+        if self.offloader is not None:
+            self.offloader.close()
+
+
+def _unwrap(model: Any) -> list[torch.nn.Module]:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    out = []
+    for chunk in chunks:
+        while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+            chunk = chunk.module  # DDP / Float16Module wrappers
+        out.append(chunk)
+    return out
+
+
+def _transformer_layers(chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
+
+
+def _validate_against_model(cfg: MemoryConfig, chunks: list[torch.nn.Module]) -> None:
+    config = getattr(chunks[0], "config", None)
+    if config is None:
+        return
+    if cfg.recompute_enabled and getattr(config, "recompute_granularity", None):
+        raise ValueError(
+            "--longctx-recompute-granularity: the model also has Megatron's recompute "
+            f"(recompute_granularity={config.recompute_granularity!r}); drop --recompute-granularity or set "
+            "--longctx-recompute-granularity none")
+    if cfg.offload_enabled and (getattr(config, "cpu_offloading", False)
+                                or getattr(config, "fine_grained_activation_offloading", False)):
+        raise ValueError("--longctx-offload-policy: the model also has Megatron's activation offloading; "
+                         "disable --cpu-offloading / --fine-grained-activation-offloading")
+
+
+def _scope_module(module: torch.nn.Module, name: str) -> Callable[[], None]:
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with hooks.module_scope(name):
+            return original(*args, **kwargs)
+
+    module.forward = forward
+    return lambda: module.__dict__.pop("forward", None) if module.__dict__.get("forward") is forward else None
+
+
+def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConfig, recompute: bool,
+                offloader: Optional[ActivationOffloader], discard: Optional[DiscardOutputPacker]) -> Callable[[], None]:
+    original = layer.forward
+    offload_here = offloader is not None and (cfg.offload_policy != "checkpoint" or recompute)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if first and offloader is not None and torch.is_grad_enabled():
+            offloader.next_microbatch()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(hooks.layer_scope(index))
+            if offload_here:
+                stack.enter_context(hooks.packing(offloader))
+            if discard is not None:
+                stack.enter_context(hooks.packing(discard))
+            try:
+                return checkpoint(original, *args, **kwargs) if recompute else original(*args, **kwargs)
+            finally:
+                if discard is not None:
+                    discard.clear()
+                if offloader is not None:
+                    offloader.poll()
+
+    layer.forward = forward
+    return lambda: layer.__dict__.pop("forward", None) if layer.__dict__.get("forward") is forward else None
+
+
+def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
+    """Put offload, recompute, tiled MLP and tiled loss (per ``cfg``) on a built Megatron model.
+
+    ``model``: a GPTModel (or any module holding TransformerLayers), possibly wrapped (DDP,
+    Float16Module), or a list of such chunks (virtual pipeline stages).  Megatron's own recompute and
+    offloading must be off for the features enabled here.  Returns a :class:`MemoryHandle`.
+    """
+    if not isinstance(cfg, MemoryConfig):
+        raise ValueError(f"install: cfg must be a MemoryConfig, got {type(cfg).__name__}")
+    chunks = _unwrap(model)
+    _validate_against_model(cfg, chunks)
+    layers = _transformer_layers(chunks)
+    params = tuple(p for chunk in chunks for p in chunk.parameters())
+    offloader = ActivationOffloader(cfg, params, len(layers)) if cfg.offload_enabled else None
+    handle = MemoryHandle(cfg=cfg, layers=layers, offloader=offloader)
+    if cfg.tiled_mlp_tiles > 1:
+        tiled = tiled_mlp_type()
+        mlps = [getattr(layer, "mlp", None) for layer in layers]
+        dense = [m for m in mlps if type(m).__name__ in ("MLP", "TEFusedMLP") and not isinstance(m, tiled)]
+        if layers and not dense and not any(isinstance(m, tiled) for m in mlps):
+            raise ValueError("--longctx-tiled-mlp-tiles: the model has no dense MLP to tile (MoE layers are not "
+                             "tiled); set it to 0")
+        for mlp in dense:
+            handle.removers.append(tile_mlp_forward(mlp, cfg.tiled_mlp_tiles))
+    if cfg.tiled_loss_tiles > 1:
+        for chunk in chunks:
+            if getattr(chunk, "post_process", False) and hasattr(chunk, "compute_language_model_loss"):
+                handle.removers.append(install_tiled_loss(chunk, cfg.tiled_loss_tiles))
+    discard = None
+    if cfg.recompute_granularity == "selective":
+        if "layernorm" in cfg.recompute_modules:
+            discard = DiscardOutputPacker()
+        for layer in layers:
+            handle.removers.extend(apply_selective_recompute(layer, cfg.recompute_modules, discard))
+    if cfg.offload_policy == "modules":
+        for layer in layers:
+            for name in cfg.offload_modules:
+                for path in OFFLOAD_TARGETS[name]:
+                    module = find_submodule(layer, path)
+                    if module is not None:
+                        handle.removers.append(_scope_module(module, name))
+    recomputed = set()
+    if cfg.recompute_granularity == "full":
+        recomputed = set(full_recompute_layers(len(layers), cfg.recompute_method, cfg.recompute_num_layers))
+    first_of_chunk = {id(_transformer_layers([c])[0]) for c in chunks if _transformer_layers([c])}
+    for index, layer in enumerate(layers):
+        handle.removers.append(_wrap_layer(layer, index, id(layer) in first_of_chunk, cfg, index in recomputed,
+                                           offloader, discard))
+    return handle
+

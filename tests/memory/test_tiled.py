@@ -1,0 +1,111 @@
+"""Tiled MLP and tiled logits+loss give Megatron's loss and gradients (TP=2, sequence parallel, CP=2).
+
+Oracles: Megatron's ``output_layer`` + ``vocab_parallel_cross_entropy`` and the untiled MLP, float64.
+"""
+
+import torch
+
+from megatron_longctx.memory import MemoryConfig
+from tests.dist import megatron_parallel, run_ranks
+from tests.memory.gpt import assert_same, batch, build_gpt, cpu, loss_and_grads
+
+
+def _loss_matches_vocab_parallel_cross_entropy():
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+
+    with cpu(), megatron_parallel(tp=2):
+        tp = parallel_state.get_tensor_model_parallel_group()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        s, b, h, vocab = 13, 2, 8, 20
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+        full_weight = torch.randn(vocab, h, dtype=torch.float64, generator=g)
+        weight = full_weight[rank * 10:(rank + 1) * 10]
+        labels = torch.randint(0, vocab, (b, s), generator=g)
+        grad_out = torch.rand(b, s, dtype=torch.float64, generator=g)
+
+        def run(tiled, num_tiles=4):
+            x = hidden.clone().requires_grad_()
+            w = weight.clone().requires_grad_()
+            if tiled:
+                loss = tiled_logits_loss(x, w, labels, tp, num_tiles)  # [b, s]
+            else:
+                logits = copy_to_tensor_model_parallel_region(x) @ w.t()  # [s, b, V/tp]
+                loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous()).t()  # [b, s]
+            (loss * grad_out).sum().backward()
+            return loss.detach(), {"hidden": x.grad, "weight": w.grad}
+
+        # float64 oracle: plain softmax cross-entropy over the whole vocabulary
+        x = hidden.clone().requires_grad_()
+        w = full_weight.clone().requires_grad_()
+        loss = torch.nn.functional.cross_entropy((x @ w.t()).reshape(s * b, vocab), labels.t().reshape(-1),
+                                                 reduction="none").view(s, b).t()  # [b, s]
+        (loss * grad_out).sum().backward()
+        exact = (loss.detach(), {"hidden": x.grad, "weight": w.grad[rank * 10:(rank + 1) * 10]})
+        megatron = run(False)  # Megatron computes the loss in float32 whatever the input dtype
+        for tiles in (1, 4, 13, 20):
+            ours = run(True, tiles)
+            assert_same(exact, ours)
+            assert_same(megatron, (ours[0].float(), ours[1]), rtol=1e-5, atol=1e-6)
+        # sequence parallel: each rank holds [s/tp] tokens; Megatron's gather reduce-scatters d hidden,
+        # so the tiled loss must not all-reduce it as well (reduce_grad_input=False)
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden_sp = torch.cat([hidden, hidden[:1]])  # [s_pad, b, h]
+        labels_sp = torch.cat([labels, labels[:, :1]], dim=1)  # [b, s_pad]
+        grad_sp = torch.cat([grad_out, torch.zeros(b, 1, dtype=torch.float64)], dim=1)
+        local = hidden_sp[rank * 7:(rank + 1) * 7].clone().requires_grad_()  # [s_pad/tp, b, h]
+        w = weight.clone().requires_grad_()
+        loss = tiled_logits_loss(gather_from_sequence_parallel_region(local, group=tp), w, labels_sp, tp, 3,
+                                 reduce_grad_input=False)  # [b, s_pad]
+        (loss * grad_sp).sum().backward()
+        full_grad = torch.cat([exact[1]["hidden"], torch.zeros(1, b, h, dtype=torch.float64)])
+        torch.testing.assert_close(loss[:, :s], exact[0])
+        torch.testing.assert_close(local.grad, full_grad[rank * 7:(rank + 1) * 7])
+        torch.testing.assert_close(w.grad, exact[1]["weight"])
+
+
+def test_tiled_loss_matches_vocab_parallel_cross_entropy_tp2():
+    run_ranks(2, _loss_matches_vocab_parallel_cross_entropy)
+
+
+def _gpt_tiled_matches_plain():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_longctx.memory import apply_memory_to_layer_spec, install
+    from megatron_longctx.memory.tiled_mlp import tiled_mlp_type
+
+    extra: dict = {}  # sequence parallel needs TE/Apex norms: not buildable on CPU
+    with cpu(), megatron_parallel(tp=2):
+        plain = build_gpt(**extra)
+        ref = loss_and_grads(plain)
+        # spec route: TiledMLP built from the layer spec, same state_dict keys and values
+        spec = apply_memory_to_layer_spec(get_gpt_layer_local_spec(), MemoryConfig(tiled_mlp_tiles=3))
+        model = build_gpt(spec=spec, **extra)
+        assert isinstance(model.decoder.layers[0].mlp, tiled_mlp_type())
+        assert model.state_dict().keys() == plain.state_dict().keys()
+        for key, value in plain.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(model.state_dict()[key], value, msg=key)
+        handle = install(model, MemoryConfig(tiled_mlp_tiles=3, tiled_loss_tiles=5))  # MLP already tiled: kept
+        # Megatron's cross-entropy runs in float32, ours in the model's float64
+        assert_same(ref, loss_and_grads(model), rtol=1e-5, atol=1e-7)
+        handle.remove()
+        # module-wrapper route on a plain model, with full recompute on top
+        model = build_gpt(**extra)
+        handle = install(model, MemoryConfig(tiled_mlp_tiles=4, tiled_loss_tiles=3, recompute_granularity="full"))
+        assert_same(ref, loss_and_grads(model), rtol=1e-5, atol=1e-7)
+        tokens, position_ids = batch()
+        logits = model(tokens, position_ids, None)  # no labels: Megatron's logits path, untouched
+        assert logits.shape == (tokens.shape[0], tokens.shape[1], 32)  # this TP rank's vocabulary shard
+        handle.remove()
+
+
+def test_gpt_tiled_mlp_and_loss_match_plain_tp2():
+    run_ranks(2, _gpt_tiled_matches_plain)
+
+
