@@ -8,6 +8,8 @@ Each is listed in :data:`_PATCHES` / :func:`_patches` with the reason:
 * the CUDA RNG state: ``model_parallel_cuda_manual_seed``, the ``CudaRNGStatesTracker`` (``fork()``)
   and recompute's ``CheckpointFunction`` save and restore it;
 * ``get_pos_emb_on_this_cp_rank`` (RoPE under CP > 1) pins memory and calls ``.cuda()``;
+* ``torch.cuda.synchronize()`` after batched pipeline sends (``batch_p2p_sync``): nothing to wait
+  for on the CPU;
 * ``get_default_causal_mask`` and the token counters of ``pipeline_parallel/schedules.py`` allocate
   with ``device="cuda"``.
 
@@ -48,6 +50,10 @@ def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> No
 
 def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
+
+
+def _no_device_to_synchronize(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _current_device() -> torch.device:
@@ -123,6 +129,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch.cuda.random, "set_rng_state", _cpu_set_rng_state),
         (torch.cuda, "manual_seed", _cpu_manual_seed),
         (torch.cuda, "manual_seed_all", _cpu_manual_seed),
+        (torch.cuda, "synchronize", _no_device_to_synchronize),
     ]
     try:
         from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding  # noqa: F401

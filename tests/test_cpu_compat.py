@@ -14,6 +14,7 @@ def test_enabled_is_scoped_and_restores():
     with cpu_compat.enabled():
         with cpu_compat.enabled():  # nests
             assert torch.cuda.current_device() == torch.device("cpu")
+            torch.cuda.synchronize()  # nothing to wait for
         assert cpu_compat.is_enabled()
         from megatron.core.models.common.embeddings import rope_utils
         from megatron.core.pipeline_parallel import schedules
