@@ -1,0 +1,189 @@
+"""Ring attention: K/V travel around the context-parallel ranks while each rank keeps its queries.
+
+Ring Attention (Liu, Zaharia & Abbeel 2023) on Megatron's load-balanced layout (the zigzag ring of
+ring-flash-attention, Zhu 2024; Megatron/TE ``cp_comm_type="p2p"``).  At step ``i`` rank ``r``
+holds the K/V shard of rank ``r - offsets[i]``; the transfer for the next step is posted before the
+current block is computed, so communication overlaps compute.  In backward the K/V go round once
+more and the dK/dV accumulated for each shard follow it from holder to holder, then return to
+their owner.
+
+The schedule is a pure function of the layout and the mask (:func:`ring_schedule`): an offset no
+rank has a visible block at is skipped altogether, and the next transfer jumps over it (a small
+sliding window on the zigzag layout needs offsets ``{0, 1, P-1}`` only: the neighbours of each
+chunk live on ranks ``r-1`` and ``r+1``).  A ring of one rank (:func:`local_schedule`) is plain
+local attention: ``cp_group`` of size 1 and the inner step of Ulysses run through the same loop.
+Layout inside: ``[b, s, h, d]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.base import BlockMask
+from .comm import RingComm, pack, unpack
+from .segments import BlockCall, Segment, attend_segments, attend_segments_backward, new_accumulators, plan_blocks
+from .sharding import SeqLayout
+
+if TYPE_CHECKING:
+    from .api import AttentionArgs
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSchedule:
+    """The steps a ring runs.
+
+    ``offsets[i]``: at step ``i`` every rank ``r`` holds the K/V of rank ``r - offsets[i]``
+    (``offsets[0] == 0``, increasing).  ``calls[i][r]``: rank ``r``'s kernel calls at step ``i``.
+    """
+
+    layout: object  # what the schedule was computed from (a SeqLayout here; packed layouts elsewhere)
+    offsets: tuple[int, ...]
+    calls: tuple[tuple[tuple[BlockCall, ...], ...], ...]
+
+    @property
+    def transfers(self) -> int:
+        """K/V messages each rank sends in forward."""
+        return len(self.offsets) - 1
+
+    def hop(self, i: int) -> int:
+        """Distance the K/V move after step ``i`` (to ``rank + hop``)."""
+        return self.offsets[i + 1] - self.offsets[i]
+
+    def pairs(self, rank: int) -> int:
+        """Visible (query, key) pairs rank ``rank`` computes over the whole ring (per batch and head)."""
+        return sum(c.pairs for step in self.calls for c in step[rank])
+
+
+@functools.lru_cache(maxsize=256)
+def ring_schedule(layout: SeqLayout, mask: BlockMask) -> RingSchedule:
+    """Every rank's kernel calls at every useful ring offset (deterministic: all ranks agree)."""
+    p = layout.cp_size
+    offsets, calls = [], []
+    for t in range(p):
+        step = tuple(plan_blocks(layout.segments(r), layout.segments((r - t) % p), mask) for r in range(p))
+        if t == 0 or any(step):
+            offsets.append(t)
+            calls.append(step)
+    return RingSchedule(layout, tuple(offsets), tuple(calls))
+
+
+@functools.lru_cache(maxsize=256)
+def local_schedule(seq_len: int, mask: BlockMask) -> RingSchedule:
+    """A ring of one rank over ``seq_len`` tokens in natural order: plain local attention, no transfer."""
+    whole = (Segment(0, seq_len),)
+    return RingSchedule(None, (0,), ((plan_blocks(whole, whole, mask),),))
+
+
+def _ring_rank(group: dist.ProcessGroup | None, schedule: RingSchedule) -> int:
+    if group is None:
+        if schedule.offsets != (0,):
+            raise ValueError("a ring schedule with transfers needs a process group (got group=None)")
+        return 0
+    return dist.get_rank(group)
+
+
+def ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    schedule: RingSchedule,
+    args: AttentionArgs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[b, s/P, h_q, d_qk]``, k ``[b, s/P, h_kv, d_qk]``, v ``[b, s/P, h_kv, d_v]`` (contiguous,
+    this rank's shard of the layout ``schedule`` was computed for) -> out ``[b, s/P, h_q, d_v]``
+    (dtype of q; 0 on rows no call touches), lse ``[b, h_q, s/P]``.  ``group`` may be None for a
+    schedule without transfers."""
+    rank = _ring_rank(group, schedule)
+    out, lse = new_accumulators(q, v.shape[-1])
+    comm = RingComm(group) if schedule.transfers else None
+    kv = pack([k, v])  # [numel(k) + numel(v)]
+    for i in range(len(schedule.offsets)):
+        last = i + 1 == len(schedule.offsets)
+        if not last:
+            next_kv = comm.send_recv(kv, schedule.hop(i))
+            comm.commit()
+        k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - offsets[i])
+        attend_segments(q, k_i, v_i, schedule.calls[i][rank], args.softmax_scale, args.backend, out, lse)
+        if not last:
+            comm.wait()
+            kv = next_kv
+    return out.to(q.dtype), lse
+
+
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    schedule: RingSchedule,
+    args: AttentionArgs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`ring_forward`; ``dout`` ``[b, s/P, h_q, d_v]``.  Returns dq, dk, dv in the input dtypes.
+
+    The gradient of a rank's own K/V from its own queries (step 0) stays at home.  From step 1 on,
+    the dK/dV accumulated so far for the shard held now arrive from its previous holder (posted one
+    step earlier), this rank adds its block gradients and posts the sum to the shard's next holder,
+    or home after the last step: as many dK/dV messages as K/V messages.  dK/dV travel in the
+    accumulator dtype (float32; float64 for float64 inputs).
+    """
+    rank = _ring_rank(group, schedule)
+    offsets, acc = schedule.offsets, lse.dtype
+    if schedule.transfers:
+        kv_comm, dkv_comm = RingComm(group, tag=0), RingComm(group, tag=1)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, s/P, h_q, d_qk]
+    kv = pack([k, v])  # [numel(k) + numel(v)]
+    own = incoming = None
+    for i, t in enumerate(offsets):
+        last = i + 1 == len(offsets)
+        if not last:
+            next_kv = kv_comm.send_recv(kv, schedule.hop(i))
+            kv_comm.commit()
+        k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - t)
+        dkv = torch.zeros(kv.numel(), dtype=acc, device=kv.device)  # this step's dK/dV, flat
+        dk_i, dv_i = unpack(dkv, (k.shape, v.shape))
+        attend_segments_backward(
+            dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args.softmax_scale, args.backend, dq, dk_i, dv_i
+        )
+        if i == 0:
+            own = dkv
+        else:
+            if incoming is not None:
+                dkv_comm.wait()
+                dkv += incoming  # dK/dV of the earlier holders of this shard
+            incoming = dkv_comm.send_recv(dkv, schedule.hop(i) if not last else -t)  # next holder, or home
+            dkv_comm.commit()
+        if not last:
+            kv_comm.wait()
+            kv = next_kv
+    if incoming is not None:
+        dkv_comm.wait()
+        own += incoming  # every other rank's contribution to this rank's dK/dV
+    dk, dv = unpack(own, (k.shape, v.shape))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """Autograd wrapper of :func:`ring_forward` / :func:`ring_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, schedule, args):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = ring_forward(q, k, v, group, schedule, args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.schedule, ctx.args = group, schedule, args
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.schedule, ctx.args)
+        return dq, dk, dv, None, None, None

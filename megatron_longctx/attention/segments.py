@@ -1,0 +1,239 @@
+"""Attention between token *segments*: the block loop every context-parallel algorithm shares.
+
+A rank's tokens are a few contiguous runs of global positions, its *segments*: under Megatron's
+load-balanced layout rank ``r`` of ``P`` holds ``[(r*c, c), ((2P-1-r)*c, c)]`` (``c`` = chunk
+length), concatenated in that order in memory.  :func:`plan_blocks` turns one (query segments,
+key segments) pair into a short list of kernel calls: every visible (query segment, key segment)
+block is computed exactly once, blocks outside the mask are skipped, and neighbouring blocks are
+coalesced into one call whenever a single mask over the rectangle they span reproduces the true
+mask of each block (so one step of the zigzag ring costs one kernel call, as in
+ring-flash-attention's zigzag variant, Zhu 2024).  :func:`attend_segments` runs the plan and folds
+the partial results with the online softmax (FlashAttention, Dao et al. 2022); its backward runs
+the same plan.
+
+The plan is a pure function of positions, so every rank can compute every other rank's plan (the
+ring schedule and the benchmark's FLOP counts rely on that).  Layout inside: ``[b, s, h, d]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from ..kernels.base import BlockArgs, BlockMask, Visibility
+from ..kernels.merge import merge
+from ..kernels.select import kernel_for
+
+DENSE = BlockMask(causal=False, window=(-1, -1))
+
+
+class Segment(NamedTuple):
+    """A contiguous run of ``length`` tokens starting at global position ``start``."""
+
+    start: int
+    length: int
+
+
+Segments = tuple[Segment, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCall:
+    """One kernel call: local query rows ``[q_lo, q_hi)`` against local key rows ``[k_lo, k_hi)``.
+
+    ``mask``, ``q_start`` and ``k_start`` are what the kernel sees (the positions of the first row
+    and column of the call).  They reproduce the true mask of every block inside the rectangle,
+    though they need not be the true global positions.  ``pairs``: visible (query, key) pairs.
+    """
+
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    mask: BlockMask
+    q_start: int
+    k_start: int
+    pairs: int
+
+
+def local_offsets(segs: Segments) -> list[int]:
+    """Offset of each segment in the concatenated local tensor, plus the total length at the end."""
+    return list(itertools.accumulate((s.length for s in segs), initial=0))
+
+
+def visible_pairs(mask: BlockMask, q_start: int, q_len: int, k_start: int, k_len: int) -> int:
+    """Number of visible (query, key) pairs of one block (exact; used for FLOP accounting)."""
+    if q_len <= 0 or k_len <= 0:
+        return 0
+    pos = torch.arange(q_start, q_start + q_len, dtype=torch.int64)  # [q_len]
+    lo = torch.full_like(pos, k_start)
+    hi = torch.full_like(pos, k_start + k_len - 1)
+    if mask.left >= 0:
+        lo = torch.maximum(lo, pos - mask.left)
+    if mask.right >= 0:
+        hi = torch.minimum(hi, pos + mask.right)
+    return int((hi - lo + 1).clamp_min(0).sum())
+
+
+def _anchored_positions(segs: Segments, offsets: list[int], first: int, last: int) -> list[int]:
+    """Positions the segments ``first..last`` take when laid out contiguously from ``segs[first].start``."""
+    base = segs[first].start - offsets[first]
+    return [base + offsets[i] for i in range(first, last + 1)]
+
+
+def _rect_mask(mask: BlockMask, q_segs, k_segs, q_off, k_off, vis, rect) -> tuple[BlockMask, int, int] | None:
+    """One (mask, q_start, k_start) reproducing the true mask of every block of ``rect``, or None."""
+    i0, i1, j0, j1 = rect
+    blocks = [(i, j) for i in range(i0, i1 + 1) for j in range(j0, j1 + 1)]
+    if all(vis[i][j] is Visibility.FULL for i, j in blocks):
+        return DENSE, 0, 0
+    q_pos = _anchored_positions(q_segs, q_off, i0, i1)
+    k_pos = _anchored_positions(k_segs, k_off, j0, j1)
+    for i, j in blocks:
+        pq, pk = q_pos[i - i0], k_pos[j - j0]
+        local = mask.visibility(pq, q_segs[i].length, pk, k_segs[j].length)
+        if local is not vis[i][j]:
+            return None
+        if local is Visibility.PARTIAL and pq - pk != q_segs[i].start - k_segs[j].start:
+            return None
+    return mask, q_pos[0], k_pos[0]
+
+
+def _trim(mask: BlockMask, q_lo, q_hi, q_start, k_lo, k_hi, k_start) -> BlockCall | None:
+    """Drop leading/trailing keys no query of the call sees, then queries that see no key."""
+    if mask.is_dense:
+        pairs = (q_hi - q_lo) * (k_hi - k_lo)
+        return BlockCall(q_lo, q_hi, k_lo, k_hi, mask, q_start, k_start, pairs)
+    q_end = q_start + (q_hi - q_lo) - 1  # last query position of the call
+    k_first, k_last = k_start, k_start + (k_hi - k_lo) - 1
+    if mask.left >= 0:
+        k_first = max(k_first, q_start - mask.left)
+    if mask.right >= 0:
+        k_last = min(k_last, q_end + mask.right)
+    q_first, q_last = q_start, q_end
+    if mask.right >= 0:
+        q_first = max(q_first, k_first - mask.right)
+    if mask.left >= 0:
+        q_last = min(q_last, k_last + mask.left)
+    if k_first > k_last or q_first > q_last:
+        return None
+    q_lo, q_hi = q_lo + (q_first - q_start), q_lo + (q_last - q_start) + 1
+    k_lo, k_hi = k_lo + (k_first - k_start), k_lo + (k_last - k_start) + 1
+    pairs = visible_pairs(mask, q_first, q_hi - q_lo, k_first, k_hi - k_lo)
+    return BlockCall(q_lo, q_hi, k_lo, k_hi, mask, q_first, k_first, pairs)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_blocks(q_segs: Segments, k_segs: Segments, mask: BlockMask) -> tuple[BlockCall, ...]:
+    """Kernel calls that compute attention of ``q_segs`` over ``k_segs`` under ``mask``.
+
+    Greedy cover of the visible blocks by rectangles (contiguous runs of query segments x
+    contiguous runs of key segments), largest first; a rectangle qualifies when one mask over it
+    (dense, or ``mask`` anchored at its first block) reproduces every block's true visibility and,
+    for partially visible blocks, the exact query-key offset.  Each visible block lands in one call.
+    """
+    q_off, k_off = local_offsets(q_segs), local_offsets(k_segs)
+    vis = [[mask.visibility(qs.start, qs.length, ks.start, ks.length) for ks in k_segs] for qs in q_segs]
+    todo = {(i, j) for i in range(len(q_segs)) for j in range(len(k_segs)) if vis[i][j] is not Visibility.NONE}
+    rects = [
+        (i0, i1, j0, j1)
+        for i0 in range(len(q_segs)) for i1 in range(i0, len(q_segs))
+        for j0 in range(len(k_segs)) for j1 in range(j0, len(k_segs))
+    ]
+    calls: list[BlockCall] = []
+    while todo:
+        best, best_key = None, None
+        for rect in rects:
+            i0, i1, j0, j1 = rect
+            inside = {(i, j) for i in range(i0, i1 + 1) for j in range(j0, j1 + 1)}
+            visible = {b for b in inside if vis[b[0]][b[1]] is not Visibility.NONE}
+            if not visible or not visible <= todo:
+                continue
+            found = _rect_mask(mask, q_segs, k_segs, q_off, k_off, vis, rect)
+            if found is None:
+                continue
+            wasted = sum(q_segs[i].length * k_segs[j].length for i, j in inside - visible)
+            key = (len(visible), -wasted, found[0] is DENSE)
+            if best_key is None or key > best_key:
+                best, best_key = (rect, found, visible), key
+        (i0, i1, j0, j1), (rect_mask, q_start, k_start), visible = best
+        call = _trim(rect_mask, q_off[i0], q_off[i1 + 1], q_start, k_off[j0], k_off[j1 + 1], k_start)
+        if call is not None:
+            calls.append(call)
+        todo -= visible
+    return tuple(calls)
+
+
+def _accumulator_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def new_accumulators(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty online-softmax state for ``q`` ``[b, s, h, d]``: out ``[b, s, h, d_v]`` = 0 and
+    lse ``[b, h, s]`` = -inf, in the accumulator dtype."""
+    b, s, h, _ = q.shape
+    acc = _accumulator_dtype(q)
+    out = torch.zeros(b, s, h, d_v, dtype=acc, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def attend_segments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    calls: tuple[BlockCall, ...],
+    softmax_scale: float,
+    backend: str | None,
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+) -> None:
+    """Run ``calls`` and merge each partial result into ``out_acc``/``lse_acc`` in place.
+
+    q ``[b, s_q, h_q, d_qk]``, k ``[b, s_k, h_kv, d_qk]``, v ``[b, s_k, h_kv, d_v]`` (local,
+    concatenated segments); out_acc ``[b, s_q, h_q, d_v]`` and lse_acc ``[b, h_q, s_q]`` in the
+    accumulator dtype (float32, float64 for float64 inputs).  Each call's kernel comes from
+    :func:`megatron_longctx.kernels.select.kernel_for` (``backend``: a name, or None for automatic).
+    """
+    for c in calls:
+        args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
+        qc, kc, vc = q[:, c.q_lo:c.q_hi], k[:, c.k_lo:c.k_hi], v[:, c.k_lo:c.k_hi]
+        out, lse = kernel_for(qc, kc, vc, args, backend).forward(qc, kc, vc, args)
+        rows = slice(c.q_lo, c.q_hi)
+        merged_out, merged_lse = merge(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
+        out_acc[:, rows] = merged_out  # [b, rows, h_q, d_v]
+        lse_acc[:, :, rows] = merged_lse  # [b, h_q, rows]
+
+
+def attend_segments_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    calls: tuple[BlockCall, ...],
+    softmax_scale: float,
+    backend: str | None,
+    dq_acc: torch.Tensor,
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+) -> None:
+    """Backward of :func:`attend_segments` given the *final* ``out``/``lse`` of every query row.
+
+    Adds each call's gradients into ``dq_acc`` ``[b, s_q, h_q, d_qk]``, ``dk_acc``
+    ``[b, s_k, h_kv, d_qk]`` and ``dv_acc`` ``[b, s_k, h_kv, d_v]`` (accumulator dtype).
+    """
+    for c in calls:
+        args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
+        rows, cols = slice(c.q_lo, c.q_hi), slice(c.k_lo, c.k_hi)
+        qc, kc, vc = q[:, rows], k[:, cols], v[:, cols]
+        kernel = kernel_for(qc, kc, vc, args, backend)
+        dq, dk, dv = kernel.backward(dout[:, rows], qc, kc, vc, out[:, rows], lse[:, :, rows].contiguous(), args)
+        dq_acc[:, rows] += dq
+        dk_acc[:, cols] += dk
+        dv_acc[:, cols] += dv
