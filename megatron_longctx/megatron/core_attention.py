@@ -1,0 +1,294 @@
+"""``ContextParallelAttention``: Megatron-Core's ``core_attention`` slot, served by context-parallel attention.
+
+Megatron's ``Attention`` (``SelfAttention``, ``MLASelfAttention``) projects Q/K/V, applies RoPE (already
+sliced to this rank's zigzag chunks under CP) and calls its ``core_attention`` with
+q ``[s/cp, b, np, hn]``, k/v ``[s/cp, b, ng, hn]`` (GQA groups not expanded).  This module reads the
+process groups Megatron gives it (``pg_collection.cp``; ``parallel_state`` as the fallback) and the
+algorithm Megatron's own knobs ask for (``--cp-comm-type``: ``p2p`` ring, ``all_gather`` all-gather,
+``a2a`` Ulysses, ``a2a+p2p`` hybrid), and calls :func:`megatron_longctx.attention.cp_attention`.
+With one CP rank the same call runs the block kernels locally (no communication); dropout, arbitrary
+masks and inference shapes (``sq != sk``) take :mod:`~megatron_longctx.megatron.local_attention`.
+
+Supported: causal / no-mask self-attention, sliding windows (``--window-size``), GQA/MQA, MLA head
+dims (``k_channels``/``v_channels``), TP (heads split before we see them), THD packed sequences with
+one CP rank, attention dropout with one CP rank.  Anything else is a ``ValueError`` naming the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_longctx.config import CP_COMM_TYPE_TO_ALGORITHM, ContextParallelConfig
+from megatron_longctx.megatron.local_attention import LocalAttentionArgs, local_attention_sbhd, local_attention_thd
+
+# Self-attention (sq == sk): bottom-right aligned causal is plain causal.
+_CAUSAL_TYPES = tuple(t for t in (AttnMaskType.causal, AttnMaskType.padding_causal,
+                                  getattr(AttnMaskType, "causal_bottom_right", None)) if t is not None)
+_SUPPORTED_TYPES = (*_CAUSAL_TYPES, AttnMaskType.no_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreAttentionPlan:
+    """What one ``ContextParallelAttention`` layer computes (fixed at construction)."""
+
+    algorithm: str  # ring | allgather | ulysses | hybrid
+    softmax_scale: float
+    window_size: Optional[tuple[int, int]]  # (left, right), -1 = unbounded; None = full
+    backend: Optional[str]  # kernel backend; None = automatic
+    ulysses_size: Optional[int]  # hybrid: size of the all-to-all sub-group
+    dropout_p: float
+
+
+def _layer_comm_type(config: TransformerConfig, layer_number: int, passed: Optional[str]) -> str:
+    """This layer's ``--cp-comm-type``.
+
+    A per-layer list is indexed here by ``layer_number - 1`` (layer numbers start at 1): Megatron-Core
+    0.19's ``TransformerLayer`` does the same, 0.16's indexes ``[layer_number]`` (one layer off), so the
+    value it passes in is ignored when the config holds a list.
+    """
+    value = config.cp_comm_type
+    if isinstance(value, (list, tuple)):
+        if not 1 <= layer_number <= len(value):
+            raise ValueError(f"--cp-comm-type lists {len(value)} values but layer {layer_number} needs one; "
+                             f"give one value per layer (--num-layers {config.num_layers}) or a single value")
+        return value[layer_number - 1]
+    return value or passed or "p2p"
+
+
+def resolve_algorithm(config: TransformerConfig, layer_number: int, passed_comm_type: Optional[str],
+                      cp_config: ContextParallelConfig) -> str:
+    """The CP algorithm of this layer: ``--longctx-cp-algorithm`` if set, else from ``--cp-comm-type``."""
+    if cp_config.cp_algorithm != "auto":
+        return cp_config.cp_algorithm
+    comm_type = _layer_comm_type(config, layer_number, passed_comm_type)
+    if comm_type not in CP_COMM_TYPE_TO_ALGORITHM:
+        raise ValueError(f"--cp-comm-type {comm_type!r} (layer {layer_number}) is not supported; choose one of "
+                         f"{', '.join(sorted(CP_COMM_TYPE_TO_ALGORITHM))}, or set --longctx-cp-algorithm")
+    return CP_COMM_TYPE_TO_ALGORITHM[comm_type]
+
+
+def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int, int]]:
+    """``config.window_size`` if this layer uses windowed attention (``--window-attn-skip-freq``)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    if not is_layer_window_attention(config.window_size, getattr(config, "window_attn_skip_freq", None),
+                                     layer_number):
+        return None
+    left, right = config.window_size
+    return (int(left), int(right))
+
+
+class ContextParallelAttention(MegatronModule):
+    """Megatron ``core_attention`` backed by context-parallel attention (ring / all-gather / Ulysses / hybrid).
+
+    Built by Megatron's ``Attention.__init__`` with keywords ``config, layer_number, attn_mask_type,
+    attention_type, cp_comm_type, softmax_scale, pg_collection`` (MLA adds ``k_channels, v_channels``);
+    unknown keywords from newer Megatron versions are accepted and ignored.  ``cp_config`` comes from
+    the layer spec (:func:`megatron_longctx.apply_to_spec`).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        cp_config: Optional[ContextParallelConfig] = None,
+        **_newer_megatron_kwargs: Any,
+    ) -> None:
+        super().__init__(config=config)
+        if attention_type != "self":
+            raise ValueError(f"ContextParallelAttention serves self-attention only, got attention_type="
+                             f"{attention_type!r}; keep Megatron's core_attention for cross-attention")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"--softmax-type {config.softmax_type} is not supported by ContextParallelAttention; "
+                             "use --softmax-type vanilla")
+        self.cp_config = cp_config if cp_config is not None else ContextParallelConfig()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.tp_group, self.cp_group, self.hcp_groups = _groups(pg_collection)
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        tp_size = self.tp_group.size() if self.tp_group is not None else 1
+        self.num_heads = _divide(config.num_attention_heads, tp_size, "--num-attention-heads",
+                                 "--tensor-model-parallel-size")
+        self.num_kv_heads = _divide(config.num_query_groups or config.num_attention_heads, tp_size,
+                                    "--num-query-groups", "--tensor-model-parallel-size")
+        self.k_channels = k_channels if k_channels is not None else config.kv_channels
+        self.v_channels = v_channels if v_channels is not None else config.kv_channels
+        algorithm = resolve_algorithm(config, self.layer_number, cp_comm_type, self.cp_config)
+        self.plan = CoreAttentionPlan(
+            algorithm=algorithm,
+            softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels),
+            window_size=_window(config, self.layer_number),
+            backend=self.cp_config.backend,
+            ulysses_size=self._ulysses_size(algorithm, config),
+            dropout_p=config.attention_dropout if attention_dropout is None else attention_dropout,
+        )
+        self._check_heads()
+
+    def _ulysses_size(self, algorithm: str, config: TransformerConfig) -> Optional[int]:
+        if algorithm == "ulysses":
+            return self.cp_size
+        if algorithm != "hybrid":
+            return None
+        if self.cp_config.cp_ulysses_size:
+            size = self.cp_config.cp_ulysses_size
+        else:
+            sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
+            if not sizes:
+                raise ValueError("the hybrid CP algorithm (--cp-comm-type a2a+p2p) needs the all-to-all group size: "
+                                 "set --hierarchical-context-parallel-sizes A P (A*P = --context-parallel-size) "
+                                 "or --longctx-cp-ulysses-size A")
+            size = int(sizes[0])
+        if self.cp_size > 1 and self.cp_size % size != 0:
+            raise ValueError(f"hybrid CP: the all-to-all size {size} must divide --context-parallel-size "
+                             f"{self.cp_size}; fix --hierarchical-context-parallel-sizes or --longctx-cp-ulysses-size")
+        return size
+
+    def _check_heads(self) -> None:
+        """Ulysses moves whole heads between ranks: heads per TP rank must split over the all-to-all group."""
+        a2a = self.plan.ulysses_size
+        if self.cp_size == 1 or not a2a or a2a == 1:
+            return
+        if self.num_heads % a2a != 0:
+            raise ValueError(
+                f"--cp-comm-type {'a2a' if self.plan.algorithm == 'ulysses' else 'a2a+p2p'} (Ulysses) splits heads "
+                f"over {a2a} ranks, but each tensor-parallel rank has {self.num_heads} query heads "
+                f"(--num-attention-heads / --tensor-model-parallel-size); make them divisible, change "
+                f"--context-parallel-size, or use --cp-comm-type p2p")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Any = None,
+        **_newer_megatron_kwargs: Any,
+    ) -> torch.Tensor:
+        """q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]`` -> ``[sq, b, np*hn_v]`` (THD: ``[t, np, hn]`` -> ``[t, np*hn_v]``)."""
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by ContextParallelAttention; remove the bias "
+                             "(e.g. drop --position-embedding-type alibi-style biases) or use Megatron's attention")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        dropout_p = self.plan.dropout_p if self.training else 0.0
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd":
+            return self._forward_thd(query, key, value, mask_type, dropout_p, packed_seq_params)
+        dense_mask = self._dense_mask(attention_mask, mask_type)
+        if self.cp_size == 1 and (dropout_p > 0 or dense_mask is not None or query.shape[0] != key.shape[0]):
+            # What the block kernels do not serve: dropout, an arbitrary mask, sq != sk (inference).
+            args = LocalAttentionArgs(self.plan.softmax_scale, mask_type in _CAUSAL_TYPES,
+                                      self.plan.window_size, dropout_p)
+            out = self._with_dropout_rng(dropout_p, local_attention_sbhd, query, key, value, args, dense_mask)
+        elif self.cp_size == 1:
+            # One rank: the block kernels of --longctx-cp-kernel-backend, no communication.
+            out = self._cp_attention(query, key, value, causal=mask_type in _CAUSAL_TYPES)
+        else:
+            if dropout_p > 0:
+                raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism "
+                                 f"(--context-parallel-size {self.cp_size}); set --attention-dropout 0")
+            if query.shape[0] % 2 != 0:
+                raise ValueError(f"each CP rank holds two zigzag chunks, but got {query.shape[0]} local tokens: "
+                                 f"--seq-length must be divisible by 2 x --context-parallel-size "
+                                 f"({2 * self.cp_size})")
+            out = self._cp_attention(query, key, value, causal=mask_type in _CAUSAL_TYPES)
+        # [sq, b, np, hn_v] -> [sq, b, np*hn_v]
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _dense_mask(self, attention_mask: Optional[torch.Tensor], mask_type: AttnMaskType) -> Optional[torch.Tensor]:
+        """Causal / no-mask layers ignore ``attention_mask`` (as TE does); others need one CP rank."""
+        if mask_type in _SUPPORTED_TYPES or attention_mask is None:
+            return None
+        if self.cp_size > 1:
+            raise ValueError(
+                f"an arbitrary dense attention_mask ({mask_type.name}) is not supported with context parallelism "
+                f"(--context-parallel-size {self.cp_size}): use causal masking (the default GPT mask, "
+                "--no-create-attention-mask-in-dataloader) or packed sequences, or --context-parallel-size 1")
+        return ~attention_mask.bool()  # Megatron: True = masked; ours: True = visible
+
+    def _with_dropout_rng(self, dropout_p: float, fn, *args):
+        """Dropout draws from Megatron's tensor-parallel RNG stream (as DotProductAttention does)."""
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return fn(*args)
+        return fn(*args)
+
+    def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        cp_attention = _import_cp_attention()
+        extra: dict[str, Any] = {}
+        if self.plan.algorithm == "hybrid":
+            hcp = self._hierarchical_groups()
+            extra = {"hcp_groups": hcp} if hcp is not None else {"ulysses_size": self.plan.ulysses_size}
+        return cp_attention(
+            q, k, v, self.cp_group, algorithm=self.plan.algorithm, causal=causal,
+            softmax_scale=self.plan.softmax_scale, window_size=self.plan.window_size, backend=self.plan.backend,
+            **extra,
+        )  # [s/cp, b, np, hn_v]
+
+    def _hierarchical_groups(self) -> Optional[tuple]:
+        """Megatron's (a2a, p2p) groups from --hierarchical-context-parallel-sizes, when they fit the plan."""
+        groups = self.hcp_groups
+        if not groups or len(groups) != 2 or groups[0] is None or groups[0].size() != self.plan.ulysses_size:
+            return None
+        return tuple(groups)
+
+    def _forward_thd(self, q, k, v, mask_type, dropout_p, params) -> torch.Tensor:
+        if self.cp_size > 1:
+            raise NotImplementedError(
+                f"packed sequences (THD, --reset-attention-mask / --sft packing) with context parallelism "
+                f"(--context-parallel-size {self.cp_size}) are not supported by ContextParallelAttention yet; "
+                "use --context-parallel-size 1 for packed data or disable packing")
+        if mask_type not in _SUPPORTED_TYPES:
+            raise ValueError(f"packed sequences support causal/padding_causal/no_mask attention, got {mask_type.name}")
+        args = LocalAttentionArgs(self.plan.softmax_scale, mask_type in _CAUSAL_TYPES, self.plan.window_size, dropout_p)
+        out = self._with_dropout_rng(
+            dropout_p, local_attention_thd, q, k, v, args, params.cu_seqlens_q, params.cu_seqlens_kv,
+            getattr(params, "cu_seqlens_q_padded", None), getattr(params, "cu_seqlens_kv_padded", None),
+        )  # [t, np, hn_v]
+        return out.reshape(out.shape[0], -1)  # [t, np*hn_v]
+
+
+def _import_cp_attention():
+    try:
+        from megatron_longctx.attention import cp_attention
+    except ImportError as exc:  # pragma: no cover - only when the attention package is incomplete
+        raise RuntimeError("megatron_longctx.attention.cp_attention is unavailable; context parallelism "
+                           f"(--context-parallel-size > 1) needs it ({exc})") from exc
+    return cp_attention
+
+
+def _divide(n: int, d: int, n_flag: str, d_flag: str) -> int:
+    if n % d != 0:
+        raise ValueError(f"{n_flag} {n} is not divisible by {d_flag} {d}")
+    return n // d
+
+
+def _groups(pg_collection: Any):
+    """(tp, cp, hierarchical cp groups): from ``pg_collection`` first, ``parallel_state`` as the fallback."""
+    tp = getattr(pg_collection, "tp", None)
+    cp = getattr(pg_collection, "cp", None)
+    hcp = getattr(pg_collection, "hcp", None)
+    if parallel_state.model_parallel_is_initialized():
+        if tp is None:
+            tp = parallel_state.get_tensor_model_parallel_group()
+        if cp is None:
+            cp = parallel_state.get_context_parallel_group()
+        if hcp is None:
+            hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    return tp, cp, hcp

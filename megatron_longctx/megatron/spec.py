@@ -1,0 +1,184 @@
+"""``apply_to_spec``: put :class:`ContextParallelAttention` into any Megatron-Core layer/block spec.
+
+Megatron-Core wires a model from data: a ``ModuleSpec`` tree whose ``self_attention`` entries hold
+``SelfAttentionSubmodules`` / ``MLASelfAttentionSubmodules`` with a ``core_attention`` slot.  The
+transform walks that tree and returns a copy in which every dense self-attention ``core_attention``
+is our module; the input spec is not touched.  It walks what Megatron's spec builders produce in
+0.16 and 0.19 alike: ``ModuleSpec``, submodule dataclasses (``TransformerLayerSubmodules``,
+``TransformerBlockSubmodules.layer_specs``, ``HybridStackSubmodules``/``MambaStackSubmodules``, MoE
+and MTP specs), lists and ``functools.partial`` builders.  Left alone: cross-attention, and
+attention variants that are not dense softmax attention (a ``core_attention`` spec with its own
+submodules, e.g. DeepSeek sparse attention's indexer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from megatron_longctx.config import ContextParallelConfig, LongContextConfig
+
+# Submodule dataclasses whose core_attention is cross-attention (kept as Megatron built it).
+_CROSS_ATTENTION_SUBMODULES = ("CrossAttentionSubmodules",)
+
+
+def _resolve(spec_or_class: Any) -> Any:
+    """The class a ``core_attention`` entry builds (ModuleSpec / partial / class / TE placeholder)."""
+    while True:
+        if isinstance(spec_or_class, functools.partial):
+            spec_or_class = spec_or_class.func
+        elif _is_module_spec(spec_or_class):
+            spec_or_class = spec_or_class.module
+        else:
+            return spec_or_class
+
+
+def _is_module_spec(obj: Any) -> bool:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return isinstance(obj, ModuleSpec)
+
+
+def _is_dense_core_attention(entry: Any) -> bool:
+    """True for softmax attention that our module can stand in for."""
+    if _is_module_spec(entry) and entry.submodules is not None:
+        return False  # a variant with its own submodules (sparse attention indexer, ...)
+    return True
+
+
+class _Transform:
+    """One structural copy of a spec tree with the core_attention entries replaced."""
+
+    def __init__(self, replacement: Any) -> None:
+        self.replacement = replacement
+        self.replaced = 0
+        self.memo: dict[int, Any] = {}
+
+    def __call__(self, obj: Any) -> Any:
+        if id(obj) in self.memo:
+            return self.memo[id(obj)]
+        out = self._copy(obj)
+        self.memo[id(obj)] = out
+        return out
+
+    def _copy(self, obj: Any) -> Any:
+        if isinstance(obj, (list, tuple)) and not _is_namedtuple(obj):
+            return type(obj)(self(x) for x in obj)
+        if isinstance(obj, dict):
+            return {k: self(v) for k, v in obj.items()}
+        if isinstance(obj, functools.partial):
+            return functools.partial(obj.func, *(self(a) for a in obj.args),
+                                     **{k: self(v) for k, v in obj.keywords.items()})
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return self._copy_dataclass(obj)
+        return obj  # classes, functions, enums, TE placeholders, scalars: shared
+
+    def _copy_dataclass(self, obj: Any) -> Any:
+        if _is_module_spec(obj):
+            # params are constructor arguments (plain values): copied shallowly, never walked
+            changes = {"params": dict(obj.params), "submodules": self(obj.submodules)}
+            if isinstance(getattr(obj, "metainfo", None), dict):
+                changes["metainfo"] = dict(obj.metainfo)
+            return dataclasses.replace(obj, **changes)
+        changes = {}
+        for f in dataclasses.fields(obj):
+            if not f.init:
+                continue
+            value = getattr(obj, f.name)
+            if f.name == "core_attention" and self._replaceable(obj, value):
+                changes[f.name] = self.replacement
+                self.replaced += 1
+            else:
+                changes[f.name] = self(value)
+        return dataclasses.replace(obj, **changes)
+
+    def _replaceable(self, submodules: Any, entry: Any) -> bool:
+        if type(submodules).__name__ in _CROSS_ATTENTION_SUBMODULES:
+            return False
+        return _is_dense_core_attention(entry)
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def core_attention_spec(cp_config: ContextParallelConfig | None = None) -> Any:
+    """The ``ModuleSpec`` of :class:`ContextParallelAttention` with ``cp_config`` as its parameter."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_longctx.megatron.core_attention import ContextParallelAttention
+
+    return ModuleSpec(module=ContextParallelAttention, params={"cp_config": cp_config or ContextParallelConfig()})
+
+
+def _options_to_config(config: LongContextConfig | None, options: dict[str, Any]) -> LongContextConfig:
+    if config is not None and options:
+        raise ValueError("apply_to_spec: give either config= or keyword options, not both")
+    if config is not None:
+        if not isinstance(config, LongContextConfig):
+            raise TypeError(f"apply_to_spec: config must be a LongContextConfig, got {type(config).__name__}")
+        return config
+    return LongContextConfig.from_flat(options)
+
+
+def apply_to_spec(spec: Any, *, config: LongContextConfig | None = None, **options: Any) -> Any:
+    """Return a copy of ``spec`` whose self-attention ``core_attention`` entries are ContextParallelAttention.
+
+    ``spec``: any Megatron-Core spec object (a layer ``ModuleSpec``, ``TransformerBlockSubmodules``, a
+    block/stack ``ModuleSpec`` such as the HybridModel/Mamba stack spec, a list of layer specs).
+    ``options``: ``--longctx-*`` field names (``cp_algorithm="ring"``, ``cp_kernel_backend=...``, memory
+    options such as ``tiled_mlp_tiles=4``), or one ``config=LongContextConfig(...)``.  Memory options
+    that change the spec go through :func:`megatron_longctx.memory.apply_memory_to_layer_spec`.
+    Raises ``ValueError`` when the spec holds no self-attention to replace.
+    """
+    return transform_spec(spec, _options_to_config(config, options), require=True)
+
+
+def transform_spec(spec: Any, cfg: LongContextConfig, require: bool = True) -> Any:
+    """:func:`apply_to_spec` with a ready config; ``require=False`` passes a spec without attention through."""
+    transform = _Transform(core_attention_spec(cfg.cp))
+    out = transform(spec)
+    if transform.replaced == 0 and require:
+        raise ValueError(f"apply_to_spec found no self-attention core_attention in {type(spec).__name__}; pass a "
+                         "Megatron layer spec (e.g. get_gpt_layer_local_spec()), block spec or stack spec")
+    if cfg.memory.any_enabled:
+        out = _apply_memory(out, cfg)
+    return out
+
+
+def count_context_parallel_attention(spec: Any) -> int:
+    """How many ``core_attention`` entries of ``spec`` are ContextParallelAttention (for checks and tests)."""
+    from megatron_longctx.megatron.core_attention import ContextParallelAttention
+
+    seen: set[int] = set()
+
+    def walk(obj: Any) -> int:
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(x) for x in obj)
+        if isinstance(obj, functools.partial):
+            return walk(list(obj.args)) + walk(list(obj.keywords.values()))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            n = 0
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name, None)
+                if f.name == "core_attention" and _resolve(value) is ContextParallelAttention:
+                    n += 1
+                elif f.name != "params":
+                    n += walk(value)
+            return n
+        return 0
+
+    return walk(spec)
+
+
+def _apply_memory(spec: Any, cfg: LongContextConfig) -> Any:
+    try:
+        from megatron_longctx.memory import apply_memory_to_layer_spec
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(f"memory options were given ({cfg.memory}) but "
+                           f"megatron_longctx.memory.apply_memory_to_layer_spec is unavailable ({exc})") from exc
+    return apply_memory_to_layer_spec(spec, cfg.memory)
