@@ -45,6 +45,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentio
           dense_mask: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[b, hq, sq, d]``, k ``[b, hkv, sk, d]``, v ``[b, hkv, sk, dv]`` -> ``[b, hq, sq, dv]``."""
     sq, sk = q.shape[2], k.shape[2]
+    if args.causal and args.window_size is None and sq == sk and dense_mask is None:
+        # Plain causal: SDPA's own is_causal, no [sq, sk] mask materialised.
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=args.dropout_p, is_causal=True, scale=args.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # [b, hq, sq, dv]
     visible = _visible(sq, sk, args, q.device)
     if dense_mask is not None:
         visible = dense_mask if visible is None else visible & dense_mask
@@ -53,10 +59,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentio
         groups = q.shape[1] // k.shape[1]
         # [b, hkv, sk, d] -> [b, hq, sk, d]
         return _math(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), args, visible)
-    is_causal = args.causal and visible is not None and args.window_size is None and sq == sk and dense_mask is None
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=None if is_causal else visible, dropout_p=args.dropout_p,
-        is_causal=is_causal, scale=args.softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
+        q, k, v, attn_mask=visible, dropout_p=args.dropout_p, scale=args.softmax_scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )  # [b, hq, sq, dv]; K/V heads grouped, not expanded
 
 
