@@ -1,10 +1,35 @@
 """Context-parallel attention over Megatron's load-balanced sequence shards (no Megatron import).
 
 :func:`cp_attention` is the entry point; :func:`shard_sequence` / :func:`unshard_sequence` produce and
-undo the layout it expects; :func:`schedule_flops` prices the schedule each algorithm runs.
+undo the layout it expects; :func:`schedule_flops` prices the schedule each algorithm runs.  Packed
+documents (THD): :class:`Packing` describes them, :func:`cp_attention_packed` (or ``cp_attention(...,
+packing=)``) attends within each document, :func:`shard_packed` / :func:`unshard_packed` /
+:func:`packed_batch_on_this_cp_rank` produce and undo the per-document layout.
 """
 
 from .api import ALGORITHMS, cp_attention, schedule_flops
+from .packed import (
+    Packing,
+    cp_attention_packed,
+    packed_batch_on_this_cp_rank,
+    pad_packed,
+    shard_packed,
+    unpad_packed,
+    unshard_packed,
+)
 from .sharding import shard_sequence, unshard_sequence
 
-__all__ = ["ALGORITHMS", "cp_attention", "schedule_flops", "shard_sequence", "unshard_sequence"]
+__all__ = [
+    "ALGORITHMS",
+    "Packing",
+    "cp_attention",
+    "cp_attention_packed",
+    "packed_batch_on_this_cp_rank",
+    "pad_packed",
+    "schedule_flops",
+    "shard_packed",
+    "shard_sequence",
+    "unpad_packed",
+    "unshard_packed",
+    "unshard_sequence",
+]

@@ -20,6 +20,7 @@ from ..kernels.base import BlockMask
 from ..kernels.select import get_kernel
 from .allgather import AllGatherAttention, allgather_calls
 from .hybrid import hybrid_groups, hybrid_ranks
+from .packed_layout import Packing
 from .ring import RingAttention, local_schedule, ring_schedule
 from .sharding import SeqLayout, check_divisible
 from .ulysses import UlyssesAttention, kv_replication
@@ -49,6 +50,7 @@ def cp_attention(
     backend: str | None = None,
     ulysses_size: int | None = None,
     hcp_groups: Sequence[dist.ProcessGroup] | None = None,
+    packing: Packing | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, sharded over ``cp_group``.
 
@@ -68,7 +70,17 @@ def cp_attention(
     ``causal``).  ``softmax_scale`` defaults to ``1/sqrt(d_qk)``.  ``backend`` names the block
     kernel (default: chosen by :mod:`megatron_longctx.kernels`).  ``cp_group`` None or of size 1:
     plain local attention.  The softmax statistics accumulate in float32 (float64 for float64).
+
+    ``packing`` (:class:`.packed_layout.Packing`): packed documents (THD): q/k/v are then
+    ``[t/cp, h, d]`` in the per-document load-balanced layout and each token attends only within
+    its document; see :func:`.packed.cp_attention_packed`.
     """
+    if packing is not None:
+        from .packed import cp_attention_packed  # built on this module: imported on use
+
+        return cp_attention_packed(q, k, v, cp_group, packing, algorithm=algorithm, causal=causal,
+                                   softmax_scale=softmax_scale, window_size=window_size, backend=backend,
+                                   ulysses_size=ulysses_size, hcp_groups=hcp_groups)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS} (Megatron's --cp-comm-type "
                          "p2p / all_gather / a2a / a2a+p2p map to them in that order)")

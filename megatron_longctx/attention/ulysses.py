@@ -56,11 +56,32 @@ def _columns(buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     return list(buf.split(list(sizes), dim=1))
 
 
-def seq_to_heads(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+def _from_ranks(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """``[P, b, s/P, *rest]`` (one shard per rank) -> ``[b, s, *rest]`` in natural (or ``order``'s) order."""
+    if order is None:
+        return ranks_to_natural(x)
+    p, b, s_local = x.shape[:3]
+    pooled = x.transpose(0, 1).reshape(b, p * s_local, *x.shape[3:])  # [b, s, *rest], rank-major
+    return pooled.index_select(1, order)
+
+
+def _to_ranks(y: torch.Tensor, p: int, order: torch.Tensor | None) -> torch.Tensor:
+    """Inverse of :func:`_from_ranks`: ``[b, s, *rest]`` -> ``[P, b, s/P, *rest]``."""
+    if order is None:
+        return natural_to_ranks(y, p)
+    pooled = torch.empty_like(y).index_copy_(1, order, y)  # [b, s, *rest], rank-major
+    return pooled.unflatten(1, (p, y.shape[1] // p)).transpose(0, 1)  # [P, b, s/P, *rest]
+
+
+def seq_to_heads(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, order: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Each ``[b, s/P, h, d]`` (this rank's zigzag shard) -> ``[b, s, h/P, d]``.
 
     The result holds head group ``rank`` for the whole sequence, in natural order.  One all-to-all
-    carries all tensors (same dtype).
+    carries all tensors (same dtype).  ``order``: an index ``[s]`` into the shards concatenated in
+    rank order, used instead of the zigzag-to-natural reordering (packed documents,
+    :func:`.packed_layout.group_order`).
     """
     p = dist.get_world_size(group)
     if p == 1:
@@ -74,11 +95,13 @@ def seq_to_heads(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> l
         block.view(shape).copy_(t.view(b, s_local, p, hh, d).permute(2, 0, 1, 3, 4))
     recv = all_to_all(send, group)  # [P (source rank), n]
     # [P (source rank), b, s/P, h/P, d] -> [b, s, h/P, d]
-    return [ranks_to_natural(block.view(shape)) for shape, block in zip(shapes, _columns(recv, sizes))]
+    return [_from_ranks(block.view(shape), order) for shape, block in zip(shapes, _columns(recv, sizes))]
 
 
-def heads_to_seq(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Inverse of :func:`seq_to_heads`: each ``[b, s, h/P, d]`` -> ``[b, s/P, h, d]``."""
+def heads_to_seq(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, order: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Inverse of :func:`seq_to_heads` (same ``order``): each ``[b, s, h/P, d]`` -> ``[b, s/P, h, d]``."""
     p = dist.get_world_size(group)
     if p == 1:
         return list(tensors)
@@ -86,7 +109,7 @@ def heads_to_seq(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> l
     sizes = [t.numel() // p for t in tensors]
     send = torch.empty(p, sum(sizes), dtype=tensors[0].dtype, device=tensors[0].device)  # [P, n]
     for t, shape, block in zip(tensors, shapes, _columns(send, sizes)):
-        block.view(shape).copy_(natural_to_ranks(t, p))  # [P (destination rank), b, s/P, h/P, d]
+        block.view(shape).copy_(_to_ranks(t, p, order))  # [P (destination rank), b, s/P, h/P, d]
     recv = all_to_all(send, group)  # [P (head group), n]
     outs = []
     for shape, block in zip(shapes, _columns(recv, sizes)):
