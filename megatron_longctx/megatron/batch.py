@@ -34,6 +34,14 @@ def get_batch_on_this_cp_rank(batch: dict[str, Any], cp_group: Optional[dist.Pro
 
         cp_group = parallel_state.get_context_parallel_group()
     cp_size = dist.get_world_size(cp_group)
+    if cp_size > 1 and batch.get("cu_seqlens") is not None:
+        # Packed (THD): per-document zigzag.  Megatron 0.19 would call Transformer Engine's
+        # thd_get_partitioned_indices here, and 0.16 would split the packed sequence as one document.
+        from megatron_longctx.attention import Packing, packed_batch_on_this_cp_rank
+
+        packing = Packing.from_cu_seqlens(batch["cu_seqlens"], batch.get("cu_seqlens_padded"))
+        local, _ = packed_batch_on_this_cp_rank(batch, packing, dist.get_rank(cp_group), cp_size)
+        return local
     if cp_size > 1:
         for key, value in batch.items():
             if not isinstance(value, torch.Tensor) or key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen"):

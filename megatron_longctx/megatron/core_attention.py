@@ -229,12 +229,13 @@ class ContextParallelAttention(MegatronModule):
                 return fn(*args)
         return fn(*args)
 
-    def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      packing: Any = None) -> torch.Tensor:
         cp_attention = _import_cp_attention()
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {} if packing is None else {"packing": packing}
         if self.plan.algorithm == "hybrid":
             hcp = self._hierarchical_groups()
-            extra = {"hcp_groups": hcp} if hcp is not None else {"ulysses_size": self.plan.ulysses_size}
+            extra.update({"hcp_groups": hcp} if hcp is not None else {"ulysses_size": self.plan.ulysses_size})
         return cp_attention(
             q, k, v, self.cp_group, algorithm=self.plan.algorithm, causal=causal,
             softmax_scale=self.plan.softmax_scale, window_size=self.plan.window_size, backend=self.plan.backend,
@@ -249,13 +250,17 @@ class ContextParallelAttention(MegatronModule):
         return tuple(groups)
 
     def _forward_thd(self, q, k, v, mask_type, dropout_p, params) -> torch.Tensor:
-        if self.cp_size > 1:
-            raise NotImplementedError(
-                f"packed sequences (THD, --reset-attention-mask / --sft packing) with context parallelism "
-                f"(--context-parallel-size {self.cp_size}) are not supported by ContextParallelAttention yet; "
-                "use --context-parallel-size 1 for packed data or disable packing")
         if mask_type not in _SUPPORTED_TYPES:
             raise ValueError(f"packed sequences support causal/padding_causal/no_mask attention, got {mask_type.name}")
+        if self.cp_size > 1:
+            if dropout_p > 0:
+                raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism "
+                                 f"(--context-parallel-size {self.cp_size}); set --attention-dropout 0")
+            from megatron_longctx.attention import Packing
+
+            out = self._cp_attention(q, k, v, causal=mask_type in _CAUSAL_TYPES,
+                                     packing=Packing.from_packed_seq_params(params))  # [t/cp, np, hn_v]
+            return out.reshape(out.shape[0], -1)  # [t/cp, np*hn_v]
         args = LocalAttentionArgs(self.plan.softmax_scale, mask_type in _CAUSAL_TYPES, self.plan.window_size, dropout_p)
         out = self._with_dropout_rng(
             dropout_p, local_attention_thd, q, k, v, args, params.cu_seqlens_q, params.cu_seqlens_kv,

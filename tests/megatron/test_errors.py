@@ -68,7 +68,8 @@ def _cp2_errors():
         train.eval()
         assert train(*local, None).shape == (8, q.shape[1], q.shape[2] * q.shape[3])
         thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_kv=torch.tensor([0, 8]))
-        with pytest.raises(NotImplementedError, match="--context-parallel-size 2"):
+        # Packed input must be this rank's share of the global cu_seqlens: 8 global tokens are 4 per rank.
+        with pytest.raises(ValueError, match="cu_seqlens_padded.*per rank over cp=2"):
             _module(cfg, AttnMaskType.padding_causal)(*(x[:, 0] for x in local), None, packed_seq_params=thd)
         with pytest.raises(ValueError, match="Ulysses.*--num-attention-heads"):
             _module(_config(hidden_size=24, num_attention_heads=3, num_query_groups=1, context_parallel_size=2,

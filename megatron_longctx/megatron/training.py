@@ -1,0 +1,499 @@
+"""A small training engine on Megatron-Core: GPTModel, Megatron's DDP and optimizer, dist_checkpointing.
+
+Megatron-LM's ``megatron.training`` asserts CUDA in ``initialize_megatron``, so the main job and the
+benchmark drive Megatron-Core directly: ``parallel_state`` for the groups, ``GPTModel`` from a layer spec
+(Megatron's local spec, or the same spec through :func:`megatron_longctx.apply_to_spec`),
+``DistributedDataParallel`` (grad reduction over the ``dp_cp`` group),
+``get_forward_backward_func()`` (micro-batches), ``get_megatron_optimizer`` and
+``dist_checkpointing`` (``torch_dist``).  On a CPU-only process everything runs under
+:func:`megatron_longctx.cpu_compat.enabled`.
+
+Where that is not enough on a CPU (Megatron's FP32 optimizer and its grad-norm helpers allocate on
+``"cuda"``; dist_checkpointing's writer calls ``torch.cuda.synchronize()``), the engine says so in
+:attr:`Trainer.fallbacks` and uses a plain equivalent: ``torch.optim.AdamW`` on DDP's ``main_grad``
+and one ``torch.save`` file per rank.  On GPUs, and on CPUs once cpu_compat covers those calls, the
+Megatron paths are taken.
+
+Loss convention (Megatron's legacy 2-tuple ``loss_func``): each rank returns its masked token-loss sum
+divided by the token count of the *whole* micro-batch sequence; Megatron's schedule multiplies by the
+CP size and divides by the number of micro-batches, and DDP averages over ``dp_cp``, so the gradient is
+the mean over the global batch of each sequence's mean token loss, whatever the DP × CP layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import threading
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_longctx import cpu_compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The GPT being trained (Megatron ``TransformerConfig`` fields + sequence and vocabulary)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 256
+    seq_length: int = 8192
+    vocab_size: int = 320
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                     "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"--hidden-size ({self.hidden_size}) must be a multiple of --num-attention-heads "
+                             f"({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be a multiple of "
+                             f"--num-query-groups ({self.num_query_groups})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of running the same model: baseline Megatron or the plugin, and its options."""
+
+    name: str
+    context_parallel_size: int = 1
+    plugin: bool = False
+    longctx_options: tuple = ()  # ((field, value), ...) for apply_to_spec / LongContextConfig.from_flat
+    megatron_recompute: bool = False
+    cp_comm_type: str = "p2p"
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.longctx_options)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 0.0
+
+
+@dataclasses.dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    step_time_s: float
+    tokens: int
+    peak_bytes: int
+
+
+class MemoryMeter:
+    """Peak memory of a block on this rank: CUDA ``max_memory_allocated`` on GPU, sampled RSS on CPU.
+
+    ``budget_bytes`` (optional) is enforced: on CPU a sampling thread ends the process with
+    :data:`EXIT_OVER_BUDGET` as soon as RSS − ``base_bytes`` passes it (on GPU the caller sets
+    ``torch.cuda.set_per_process_memory_fraction`` and an OOM is the failure).
+    """
+
+    def __init__(self, base_bytes: int, budget_bytes: Optional[int] = None, interval_s: float = 0.002) -> None:
+        self.base_bytes = base_bytes
+        self.budget_bytes = budget_bytes
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            used = rss_bytes() - self.base_bytes
+            self.peak_bytes = max(self.peak_bytes, used)
+            if self.budget_bytes is not None and used > self.budget_bytes:
+                over_budget_exit(used, self.budget_bytes)
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> "MemoryMeter":
+        self.peak_bytes = 0
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated()
+        elif self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak_bytes = max(self.peak_bytes, rss_bytes() - self.base_bytes)
+
+
+EXIT_OVER_BUDGET = 75
+
+
+def over_budget_exit(used: int, budget: int) -> None:
+    print(f"[memory budget] rank {dist.get_rank() if dist.is_initialized() else 0}: {used / 2**20:.1f} MiB "
+          f"> budget {budget / 2**20:.1f} MiB", flush=True)
+    os._exit(EXIT_OVER_BUDGET)
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (CPU memory in use)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def preimport_megatron() -> None:
+    """Import what a run builds before memory is measured, so no measurement pays for module loading."""
+    import importlib
+
+    for name in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+                 "megatron.core.pipeline_parallel", "megatron.core.models.gpt.gpt_layer_specs",
+                 "megatron.core.datasets.gpt_dataset", "megatron_longctx.megatron.spec",
+                 "megatron_longctx.megatron.core_attention", "megatron_longctx.memory.spec",
+                 "megatron_longctx.kernels.select"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a missing plugin module shows up where it is used, with its reason
+            pass
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Trainer:
+    """Model, DDP, optimizer and step of one :class:`Variant`; use inside ``cpu_compat.enabled()``.
+
+    Call on every rank of the default process group.  ``global_batch`` sequences per step are split over
+    the data-parallel ranks (world / CP) and then into micro-batches of one sequence.
+    """
+
+    def __init__(self, shape: ModelShape, variant: Variant, optim: OptimConfig, global_batch: int, seed: int) -> None:
+        from megatron.core import parallel_state
+
+        world = dist.get_world_size()
+        cp = variant.context_parallel_size
+        if world % cp:
+            raise ValueError(f"--context-parallel-size {cp} must divide the number of ranks ({world})")
+        if shape.seq_length % (2 * cp):
+            raise ValueError(f"--seq-length {shape.seq_length} must be a multiple of 2 x --context-parallel-size "
+                             f"({2 * cp}); choose e.g. {shape.seq_length // (2 * cp) * 2 * cp or 2 * cp}")
+        self.dp = world // cp
+        if global_batch % self.dp:
+            raise ValueError(f"--global-batch-size {global_batch} must be a multiple of the data-parallel size "
+                             f"({self.dp} = {world} ranks / CP {cp})")
+        self.shape, self.variant, self.optim_cfg, self.seed = shape, variant, optim, seed
+        self.global_batch, self.num_microbatches = global_batch, global_batch // self.dp
+        self.fallbacks: dict[str, str] = {}
+        parallel_state.initialize_model_parallel(context_parallel_size=cp)
+        self.cp_group = parallel_state.get_context_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self._reseed(0)
+        self.config = self._transformer_config()
+        self.model = self._build_model()
+        self.memory_handle = self._install_memory()
+        self.ddp = self._wrap_ddp()
+        self.optimizer = self._build_optimizer()
+
+    # ------------------------------------------------------------------ construction
+    def _transformer_config(self) -> Any:
+        from megatron.core.transformer import TransformerConfig
+
+        s, v = self.shape, self.variant
+        extra: dict[str, Any] = {}
+        if v.megatron_recompute:
+            extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if v.context_parallel_size > 1:
+            extra["cp_comm_type"] = v.cp_comm_type
+        return TransformerConfig(
+            num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
+            num_query_groups=s.num_query_groups, ffn_hidden_size=s.ffn_hidden_size,
+            hidden_dropout=s.dropout, attention_dropout=s.dropout, context_parallel_size=v.context_parallel_size,
+            use_cpu_initialization=True, params_dtype=torch.float32, **extra,
+        )
+
+    def layer_spec(self) -> Any:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec()
+        if self.variant.plugin:
+            from megatron_longctx import apply_to_spec
+
+            spec = apply_to_spec(spec, **self.variant.options())
+        elif self.variant.context_parallel_size > 1:
+            raise ValueError("baseline Megatron's local attention refuses CP > 1 without Transformer Engine; "
+                             "run the baseline with --context-parallel-size 1")
+        return spec
+
+    def _build_model(self) -> torch.nn.Module:
+        from megatron.core.models.gpt import GPTModel
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = GPTModel(self.config, self.layer_spec(), vocab_size=self.shape.vocab_size,
+                             max_sequence_length=self.shape.seq_length, position_embedding_type="rope")
+        return model.to(device())
+
+    def _install_memory(self) -> Any:
+        if not self.variant.plugin:
+            return None
+        from megatron_longctx.config import LongContextConfig
+
+        cfg = LongContextConfig.from_flat(self.variant.options())
+        if not cfg.memory.any_enabled:
+            return None
+        from megatron_longctx.memory import install
+
+        return install(self.model, cfg.memory)
+
+    def _wrap_ddp(self) -> Any:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+        ddp = DistributedDataParallel(self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), self.model)
+        self.config.no_sync_func = ddp.no_sync
+        try:  # grads are all zero here: a real reduction of nothing, the same call on every rank
+            ddp.finish_grad_sync()
+            self.config.finalize_model_grads_func = finalize_model_grads
+        except (RuntimeError, AssertionError) as exc:
+            if not cpu_compat.needed():
+                raise
+            self.fallbacks["ddp_grad_sync"] = ("manual all-reduce of DDP's main_grad over the dp_cp group "
+                                               f"(DDP.finish_grad_sync: {_first_line(exc)})")
+            self.config.finalize_model_grads_func = self._manual_grad_sync
+        return ddp
+
+    def _manual_grad_sync(self, model: list, *args: Any, **kwargs: Any) -> None:
+        """DDP's reduction without its CUDA-stream bookkeeping: average ``main_grad`` over ``dp_cp``."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        size = dist.get_world_size(group)
+        for param in self.model.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None and size > 1:
+                dist.all_reduce(grad, group=group)  # [param shape], summed over dp x cp
+                grad.div_(size)
+
+    def _build_optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.optim_cfg
+        cfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                              adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=False, fp16=False)
+        try:
+            return get_megatron_optimizer(cfg, [self.ddp])
+        except (RuntimeError, AssertionError) as exc:
+            return self._fallback_optimizer(f"get_megatron_optimizer: {_first_line(exc)}")
+
+    def _fallback_optimizer(self, reason: str) -> "_PlainAdamW":
+        if not cpu_compat.needed():
+            raise RuntimeError(f"Megatron's optimizer failed on a GPU: {reason}")
+        self.fallbacks["optimizer"] = f"torch.optim.AdamW on DDP main_grad ({reason})"
+        return _PlainAdamW(self.ddp, self.optim_cfg)
+
+    # ------------------------------------------------------------------ one step
+    def _reseed(self, step: int) -> None:
+        """Seeds are a function of (seed, step): a resumed run draws what the uninterrupted run drew."""
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(self.seed + step)
+        model_parallel_cuda_manual_seed(self.seed + step)
+
+    def _microbatches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches: its DP share of ``batch`` ``[gbs, s]``, one sequence each, CP-sliced."""
+        from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
+
+        out = []
+        for m in range(self.num_microbatches):
+            row = self.dp_rank * self.num_microbatches + m
+            micro = {k: v[row:row + 1].to(device()) for k, v in batch.items()}  # [1, s]
+            total = micro["loss_mask"].sum()
+            local = get_batch_on_this_cp_rank(micro, self.cp_group)  # [1, s/cp]
+            local["total_tokens"] = total
+            out.append(local)
+        return out
+
+    def _forward_step(self, data_iterator: Any, model: Any) -> tuple:
+        mb = next(data_iterator)
+        per_token = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])  # [1, s/cp]
+
+        def loss_func(output: torch.Tensor) -> tuple:
+            local = (output.float() * mb["loss_mask"]).sum() / mb["total_tokens"].clamp(min=1)
+            return local, {"loss": local.detach().clone()}
+
+        return per_token, loss_func
+
+    def step(self, step: int, batch: dict[str, torch.Tensor], meter: Optional[MemoryMeter] = None) -> StepResult:
+        """One optimizer step on ``batch`` (the global batch ``[gbs, s]``, identical on every rank)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self._reseed(step)
+        micro = self._microbatches(batch)
+        _sync()
+        start = time.perf_counter()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iter(micro), model=[self.ddp],
+            num_microbatches=self.num_microbatches, seq_length=self.shape.seq_length, micro_batch_size=1,
+            forward_only=False,
+        )
+        grad_norm = self._optimizer_step()
+        _sync()
+        elapsed = time.perf_counter() - start
+        loss = torch.stack([d["loss"] for d in losses]).sum() / self.num_microbatches  # this rank's CP share
+        dist.all_reduce(loss)  # sum over CP shares and DP ranks
+        tokens = self.global_batch * self.shape.seq_length
+        return StepResult(step=step, loss=loss.item() / self.dp, grad_norm=float(grad_norm), step_time_s=elapsed,
+                          tokens=tokens, peak_bytes=meter.peak_bytes if meter else 0)
+
+    def _optimizer_step(self) -> float:
+        try:
+            ok, grad_norm, _ = self.optimizer.step()
+        except (RuntimeError, AssertionError) as exc:
+            message = str(exc).lower()
+            if isinstance(self.optimizer, _PlainAdamW) or not ("cuda" in message or "nvidia" in message):
+                raise
+            self.optimizer = self._fallback_optimizer(f"MegatronOptimizer.step: {_first_line(exc)}")
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
+        return float(grad_norm if grad_norm is not None else math.nan)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str, step: int) -> str:
+        """Save model + optimizer + ``step`` with Megatron's dist_checkpointing (fallback: one file per rank)."""
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(directory, exist_ok=True)
+        dist.barrier()
+        if "checkpoint" not in self.fallbacks and isinstance(self.optimizer, _PlainAdamW):
+            self.fallbacks["checkpoint"] = "torch.save per rank (the CPU optimizer fallback has no sharded state)"
+        elif "checkpoint" not in self.fallbacks and not self._cuda_sync_usable():
+            self.fallbacks["checkpoint"] = ("torch.save per rank (dist_checkpointing's writer calls "
+                                            "torch.cuda.synchronize(), which cpu_compat does not cover)")
+        if "checkpoint" in self.fallbacks:
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step},
+                       os.path.join(directory, f"rank{dist.get_rank()}.pt"))
+        else:
+            dist_checkpointing.save(self._sharded_state_dict(step), directory)
+        dist.barrier()
+        return directory
+
+    def load(self, directory: str) -> int:
+        """Load a checkpoint written by :meth:`save`; returns the step it was taken after."""
+        from megatron.core import dist_checkpointing
+
+        per_rank = os.path.join(directory, f"rank{dist.get_rank()}.pt")
+        if os.path.exists(per_rank):
+            state = torch.load(per_rank, weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            return int(state["step"])
+        state = dist_checkpointing.load(self._sharded_state_dict(0), directory)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        return int(state["step"])
+
+    def _sharded_state_dict(self, step: int) -> dict[str, Any]:
+        model_sd = self.model.sharded_state_dict()
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd), "step": step}
+
+    @staticmethod
+    def _cuda_sync_usable() -> bool:
+        try:
+            torch.cuda.synchronize()
+            return True
+        except (RuntimeError, AssertionError):
+            return False
+
+    def parameter_checksum(self) -> float:
+        """Sum of |w| over this rank's parameters (equal inits across layouts give equal sums)."""
+        return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        if self.memory_handle is not None and hasattr(self.memory_handle, "remove"):
+            self.memory_handle.remove()
+        parallel_state.destroy_model_parallel()
+
+
+class _PlainAdamW:
+    """``torch.optim.AdamW`` over DDP's reduced ``main_grad`` (TP = 1): Megatron's FP32 optimizer's math."""
+
+    def __init__(self, ddp: Any, cfg: OptimConfig) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_world_size() != 1:
+            raise ValueError("the CPU optimizer fallback supports --tensor-model-parallel-size 1 only")
+        self.params = [p for p in ddp.parameters() if p.requires_grad]
+        self.cfg = cfg
+        self.inner = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=1e-8,
+                                       weight_decay=cfg.weight_decay)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> tuple[bool, float, None]:
+        for p in self.params:
+            p.grad = p.main_grad.float() if getattr(p, "main_grad", None) is not None else p.grad
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        if self.cfg.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad)
+        self.inner.step()
+        return math.isfinite(norm), norm, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if "NVIDIA driver" in text or "Torch not compiled with CUDA" in text:
+        text = "needs CUDA"
+    return f"{type(exc).__name__}: {text}"[:160]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def run_steps(trainer: Trainer, batches: Callable[[int], dict], start: int, stop: int,
+              on_step: Optional[Callable[[StepResult], None]] = None, budget_bytes: Optional[int] = None,
+              base_bytes: Optional[int] = None) -> list[StepResult]:
+    """Steps ``start .. stop-1`` (``batches(step)`` gives each global batch), measuring peak memory."""
+    results = []
+    base = rss_bytes() if base_bytes is None else base_bytes
+    for step in range(start, stop):
+        with MemoryMeter(base, budget_bytes) as meter:
+            result = trainer.step(step, batches(step), meter)
+        result.peak_bytes = meter.peak_bytes
+        results.append(result)
+        if on_step is not None:
+            on_step(result)
+    return results
