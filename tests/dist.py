@@ -39,6 +39,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _live_groups() -> set:
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_since(before: set) -> None:
+    """Destroy the process groups a test created (Megatron's ``destroy_model_parallel`` forgets its
+    groups without destroying them; each gloo group keeps threads alive in a reused rank)."""
+    import torch.distributed as dist
+
+    for group in _live_groups() - before:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
+
+
 def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
@@ -59,11 +75,13 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
         if task is None:
             break
         fn, args, kwargs = task
+        groups_before = _live_groups()
         try:
             value = fn(*args, **kwargs)
             results.put((rank, True, value))
         except BaseException:  # noqa: BLE001
             results.put((rank, False, traceback.format_exc()))
+        _destroy_groups_since(groups_before)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
