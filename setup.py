@@ -15,6 +15,7 @@ setup(
         "megatron-core>=0.16.1,<0.20",
         "numpy",
         "packaging",
+        "psutil",  # Megatron-Core's checkpoint writer
         "einops",  # Megatron-Core builds hierarchical CP groups (a2a+p2p) with it
     ],
     extras_require={

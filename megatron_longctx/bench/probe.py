@@ -1,0 +1,152 @@
+"""One benchmark measurement job, run under ``torchrun`` by :mod:`megatron_longctx.bench.regression`.
+
+``python -m torch.distributed.run --nproc-per-node N -m megatron_longctx.bench.probe TASK.json`` trains
+every (configuration, sequence length) point of the task for ``warmup + steps`` steps from the same
+initialisation on the same global batches (Python standard-library text, byte tokens), and writes one
+record per point to the task's ``out`` file (rewritten after every point, so a killed job keeps what it
+measured).  With ``budget_bytes`` the per-rank memory budget is enforced: on CPU a sampling thread
+ends the job with exit code :data:`~megatron_longctx.megatron.training.EXIT_OVER_BUDGET` when the
+resident memory added since the point began passes it; on GPU the caching allocator is capped with
+``torch.cuda.set_per_process_memory_fraction`` and an out-of-memory error ends the job the same way.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_longctx import cpu_compat
+from megatron_longctx.bench.configs import default_configs
+from megatron_longctx.megatron import data as data_mod
+from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, ModelShape, OptimConfig, Trainer, device, median,
+                                                over_budget_exit, preimport_megatron, rss_bytes, run_steps)
+
+
+def model_flops_per_step(shape: ModelShape, tokens: int) -> float:
+    """Model FLOPs of one training step (forward + backward, causal attention, no recompute counted)."""
+    h, f, layers, s = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers, shape.seq_length
+    kv = h // shape.num_attention_heads * shape.num_query_groups
+    dense = layers * (h * (h + 2 * kv) + h * h + 2 * h * f) + h * shape.vocab_size  # weights used per token
+    attention = layers * s * h  # causal QK^T and PV: 2·s·h multiply-adds per token, halved by the mask
+    return 6.0 * tokens * (dense + attention)
+
+
+def _cap_gpu_memory(budget_bytes: int) -> None:
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
+
+
+def measure_point(task: dict[str, Any], config_name: str, seq_length: int, dataset_prefix: str) -> dict[str, Any]:
+    """Train one point; the record the benchmark reports for it."""
+    configs = {c.name: c for c in default_configs(task["cp"])}
+    variant = configs[config_name].variant
+    shape = ModelShape(**{**task["shape"], "seq_length": seq_length})
+    gbs = task["global_batch_size"] or dist.get_world_size() // variant.context_parallel_size
+    steps = task["warmup"] + task["steps"]
+    tokenizer = data_mod.ByteTokenizer()
+    dataset = data_mod.build_gpt_dataset(dataset_prefix, seq_length, steps * gbs, task["seed"], tokenizer)
+    gc.collect()
+    base = rss_bytes()
+    budget = task.get("budget_bytes")
+    if budget and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        _cap_gpu_memory(budget)
+    trainer = Trainer(shape, variant, OptimConfig(lr=task["lr"]), gbs, task["seed"])
+    try:
+        results = run_steps(trainer, lambda step: data_mod.global_batch(dataset, step, gbs), 0, steps,
+                            budget_bytes=None if torch.cuda.is_available() else budget, base_bytes=base)
+    except torch.cuda.OutOfMemoryError:
+        if budget:  # the capped allocator refused: this probe does not fit the budget
+            over_budget_exit(torch.cuda.max_memory_allocated(), budget)
+        raise
+    finally:
+        fallbacks = dict(trainer.fallbacks)
+        trainer.close()
+        del trainer
+        gc.collect()
+    peaks = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device())
+    peaks[dist.get_rank()] = max(r.peak_bytes for r in results)
+    dist.all_reduce(peaks)
+    timed = results[task["warmup"]:] or results
+    step_time = median([r.step_time_s for r in timed])
+    tokens = timed[0].tokens
+    flops = model_flops_per_step(shape, tokens)
+    return {
+        "config": config_name, "seq_length": seq_length, "status": "ok", "global_batch_size": gbs,
+        "step_times_s": [r.step_time_s for r in timed], "step_time_s": step_time,
+        "tokens_per_s": tokens / step_time, "model_tflops": flops / step_time / 1e12 / dist.get_world_size(),
+        "peak_mem_bytes_per_rank": [int(p) for p in peaks], "peak_mem_bytes": int(peaks.max()),
+        "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
+        "fallbacks": fallbacks,
+    }
+
+
+def run_task(task: dict[str, Any]) -> list[dict[str, Any]]:
+    preimport_megatron()
+    records: list[dict[str, Any]] = []
+    tokenizer = data_mod.ByteTokenizer()
+    longest = max(task["seq_lengths"])
+    needed = (task["warmup"] + task["steps"] + 1) * max(task["global_batch_size"] or 0, dist.get_world_size()) * longest
+    prefix = data_mod.ensure_stdlib_dataset(task["data_dir"], max(4 << 20, 2 * needed), tokenizer)
+    # One short untimed, unbudgeted point first: lazy initialisation (BLAS scratch, autograd and gloo
+    # threads, Megatron's global buffers) then belongs to no measured point.
+    measure_point(dict(task, budget_bytes=None, warmup=0, steps=1), task["configs"][0], 64 * task["cp"], prefix)
+    if task.get("search"):
+        from megatron_longctx.bench.maxseq import run_in_job
+
+        run_in_job(task["search"], lambda seq: _safe_point(task, task["configs"][0], seq, prefix),
+                   task["progress"], dist.get_rank() == 0)
+        return records
+    for config_name in task["configs"]:
+        for seq_length in sorted(task["seq_lengths"]):
+            records.append(_safe_point(task, config_name, seq_length, prefix))
+            if dist.get_rank() == 0:
+                _write(task["out"], records)
+    return records
+
+
+def _safe_point(task: dict[str, Any], config_name: str, seq_length: int, prefix: str) -> dict[str, Any]:
+    """:func:`measure_point`, with an error of the configuration reported as its status."""
+    try:
+        return measure_point(task, config_name, seq_length, prefix)
+    except (RuntimeError, ValueError, AssertionError, NotImplementedError) as exc:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        message = str(exc).splitlines()[0][:300] if str(exc) else ""
+        return {"config": config_name, "seq_length": seq_length, "status": f"failed: {type(exc).__name__}: {message}"}
+
+
+def _write(path: str, records: list[dict[str, Any]]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(records, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    from megatron_longctx.megatron.pretrain import _init_process_group, quiet_megatron
+
+    with open(argv[0]) as f:
+        task = json.load(f)
+    quiet_megatron()
+    _init_process_group()
+    try:
+        with cpu_compat.enabled():
+            run_task(task)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+__all__ = ["EXIT_OVER_BUDGET", "main", "measure_point", "model_flops_per_step", "run_task"]
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

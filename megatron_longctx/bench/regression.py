@@ -1,0 +1,267 @@
+"""``megatron-longctx bench``: the plugin against baseline Megatron, side by side, in one run.
+
+1. **Sweep**: every configuration of :func:`~megatron_longctx.bench.configs.default_configs` at every
+   sequence length, from the same initialisation on the same global batches: median step time of
+   several steps, tokens/s, model TFLOPS, peak memory per rank, and loss / grad-norm parity with the
+   baseline at the same length.  One ``torchrun`` job measures the whole sweep.
+2. **Max trainable sequence** under a per-rank memory budget: doubling then bisection, every probe a
+   fresh ``torchrun`` job whose budget is *enforced* (CPU: the job dies when a rank's resident memory
+   grows past the budget; GPU: ``set_per_process_memory_fraction``, an OOM is a failed probe).  The
+   ratio plugin / baseline is the headline number (ALST, arXiv:2506.13996, reports 16× over its baseline).
+3. **Output**: ``bench.json``, ``bench.md`` and PNG plots; with ``--compare previous.json`` the exit code is
+   non-zero when a configuration got slower or hungrier beyond ``--tolerance``, or parity broke.
+
+CPU timings are noisy: times are medians and compared as ratios to the baseline of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+from megatron_longctx.bench import compare as compare_mod
+from megatron_longctx.bench import report
+from megatron_longctx.bench.configs import BASELINE, default_configs, select, unavailable_reason
+from megatron_longctx.bench.maxseq import drive, search_max_seq
+
+ENFORCEMENT_CPU = "enforced: a probe dies when a rank's resident memory grows past the budget"
+ENFORCEMENT_GPU = "enforced: torch.cuda.set_per_process_memory_fraction; OOM = failure"
+BUDGET_MARKER = "[memory budget]"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-longctx bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (the plugin runs CP = ranks)")
+    p.add_argument("--output-dir", default="runs/bench")
+    p.add_argument("--seq-lengths", default="1024,2048,4096", help="comma-separated sweep lengths")
+    p.add_argument("--configs", default=None, help="comma-separated configuration names (default: all)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per point (the median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per point")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--num-query-groups", type=int, default=2)
+    p.add_argument("--ffn-hidden-size", type=int, default=256)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--budget-mib", type=float, default=None,
+                   help="per-rank memory budget of the max-sequence search (default: 64 on CPU, 80%% of the GPU)")
+    p.add_argument("--max-seq-configs", default="baseline,ring+all", help="configurations searched for max sequence")
+    p.add_argument("--max-seq-start", type=int, default=512, help="first probe length of the search")
+    p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
+    p.add_argument("--max-seq-resolution", type=float, default=0.25, help="bisection stops at this relative gap")
+    p.add_argument("--skip-max-seq", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--compare", default=None, metavar="PREVIOUS_JSON", help="fail on regressions against this run")
+    p.add_argument("--tolerance", default="5%", help="allowed slowdown / memory growth for --compare")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per torchrun job")
+    return p
+
+
+# ----------------------------------------------------------------------------------------- launching
+def torchrun(module: str, argv: list[str], nproc: int, timeout: float, env: Optional[dict] = None) -> tuple[int, str]:
+    """Run ``module`` on ``nproc`` local ranks; returns (exit code, combined output)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={port}", "-m", module, *argv]
+    child_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
+    child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Large tensors are mmap-ed and returned to the OS on free: resident memory tracks live tensors.
+    child_env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+    try:
+        proc = subprocess.run(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return 124, (exc.stdout or "") if isinstance(exc.stdout, str) else ""
+    return proc.returncode, proc.stdout
+
+
+def run_probe_job(task: dict[str, Any], nproc: int, timeout: float) -> tuple[int, str, list[dict[str, Any]]]:
+    """One probe job (see :mod:`megatron_longctx.bench.probe`): exit code, output, point records."""
+    with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
+        task = dict(task, out=os.path.join(tmp, "records.json"))
+        task_path = os.path.join(tmp, "task.json")
+        with open(task_path, "w") as f:
+            json.dump(task, f)
+        rc, output = torchrun("megatron_longctx.bench.probe", [task_path], nproc, timeout)
+        records = []
+        if os.path.exists(task["out"]):
+            with open(task["out"]) as f:
+                records = json.load(f)
+    return rc, output, records
+
+
+def _tail(output: str, n: int = 3) -> str:
+    lines = [l for l in output.splitlines() if l.strip() and "Warning" not in l]
+    errors = [l for l in lines if "Error" in l or "error" in l]
+    return " | ".join((errors or lines)[-n:])[-400:]
+
+
+# ----------------------------------------------------------------------------------------- max sequence
+def _max_seq(args: argparse.Namespace, base_task: dict[str, Any], configs: list[str], budget: int,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    granularity = 128 * args.nproc_per_node
+    results: dict[str, Any] = {}
+    for name in configs:
+        search = {"start": args.max_seq_start, "cap": args.max_seq_cap, "granularity": granularity,
+                  "resolution": args.max_seq_resolution, "known": {}}
+        task = dict(base_task, configs=[name], seq_lengths=[args.max_seq_cap], warmup=0, steps=1,
+                    budget_bytes=budget, global_batch_size=0)
+        start = time.perf_counter()
+
+        def launch(search: dict[str, Any], progress: str, task: dict[str, Any] = task) -> tuple[int, str]:
+            rc, output, _ = run_probe_job(dict(task, search=search, progress=progress), args.nproc_per_node,
+                                          args.timeout)
+            return rc, output
+
+        log(f"  {name}:")
+        with tempfile.TemporaryDirectory(prefix="longctx-maxseq-") as tmp:
+            results[name] = drive(launch, search, os.path.join(tmp, "progress.json"), BUDGET_MARKER, log)
+        probes = ", ".join(f"{p['seq_length']}{'' if p['ok'] else ' x'}" for p in results[name]["probes"])
+        log(f"    max {results[name]['max_seq']} tokens{' (cap)' if results[name]['at_cap'] else ''}; "
+            f"probes {probes} ({time.perf_counter() - start:.0f} s)")
+    out: dict[str, Any] = {"budget_bytes": budget, "granularity": granularity, "cap": args.max_seq_cap,
+                           "enforcement": ENFORCEMENT_GPU if _gpu() else ENFORCEMENT_CPU, "results": results,
+                           "target": 16}
+    base = results.get(BASELINE, {}).get("max_seq")
+    others = {k: v for k, v in results.items() if k != BASELINE}
+    if base and others:
+        best = max(others, key=lambda k: others[k]["max_seq"])
+        out.update(best=best, ratio=others[best]["max_seq"] / base, ratio_is_lower_bound=others[best]["at_cap"])
+        out["meets_target"] = out["ratio"] >= out["target"]
+    return out
+
+
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------------------- main
+def _meta(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        mcore = version("megatron-core")
+    except Exception:  # noqa: BLE001 - metadata is informational
+        mcore = "unknown"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    return {"device": device, "world_size": args.nproc_per_node, "shape": shape, "steps": args.steps,
+            "warmup": args.warmup, "torch": torch.__version__, "megatron_core": mcore,
+            "python": sys.version.split()[0],
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _log(text: str) -> None:
+    print(text, flush=True)
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str, Any]:
+    """The whole benchmark; returns the result dict (also written to ``--output-dir``)."""
+    from megatron_longctx.megatron.data import ByteTokenizer, padded_vocab_size
+
+    seqs = sorted({int(s) for s in str(args.seq_lengths).split(",") if s.strip()})
+    if not seqs:
+        raise ValueError("--seq-lengths: give at least one length, e.g. 1024,2048")
+    cp = args.nproc_per_node
+    bad = [s for s in seqs if s % (2 * cp)]
+    if bad:
+        raise ValueError(f"--seq-lengths {bad} are not multiples of 2 x CP ({2 * cp}); Megatron's CP split needs that")
+    names = [n.strip() for n in args.configs.split(",")] if args.configs else None
+    configs = select(default_configs(cp), names)
+    shape = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+             "num_attention_heads": args.num_attention_heads, "num_query_groups": args.num_query_groups,
+             "ffn_hidden_size": args.ffn_hidden_size, "vocab_size": padded_vocab_size(ByteTokenizer()),
+             "dropout": 0.0}
+    os.makedirs(args.output_dir, exist_ok=True)
+    result: dict[str, Any] = {"schema": report.SCHEMA, "meta": _meta(args, shape), "configs": [], "sweep": []}
+    runnable = []
+    for c in configs:
+        reason = unavailable_reason(c, cp, args.num_query_groups)
+        result["configs"].append({**c.as_dict(), "status": "ok" if reason is None else f"unavailable: {reason}"})
+        if reason is None:
+            runnable.append(c.name)
+        else:
+            log(f"{c.name}: unavailable: {reason}")
+    base_task = {"cp": cp, "shape": shape, "seed": args.seed, "lr": args.lr, "warmup": args.warmup,
+                 "steps": args.steps, "global_batch_size": args.nproc_per_node, "budget_bytes": None,
+                 "data_dir": os.path.join(args.output_dir, "data")}
+    start = time.perf_counter()
+    log(f"sweep: {len(runnable)} configurations x {len(seqs)} lengths on {cp} ranks ...")
+    rc, output, records = run_probe_job(dict(base_task, configs=runnable, seq_lengths=seqs), cp, args.timeout)
+    measured = {(r["config"], r["seq_length"]) for r in records}
+    for name in runnable:
+        for seq in seqs:
+            if (name, seq) not in measured:
+                records.append({"config": name, "seq_length": seq,
+                                "status": f"failed: sweep job exit {rc}: {_tail(output)}"})
+    result["sweep"] = records
+    report.annotate(result["sweep"], BASELINE)
+    log(f"sweep done in {time.perf_counter() - start:.0f} s")
+    if not args.skip_max_seq:
+        wanted = [n.strip() for n in args.max_seq_configs.split(",") if n.strip()]
+        searched = [n for n in wanted if n in runnable]
+        budget = int((args.budget_mib or _default_budget_mib()) * 2**20)
+        log(f"max trainable sequence under {budget / 2**20:.0f} MiB/rank: {', '.join(searched)}")
+        result["max_seq"] = _max_seq(args, base_task, searched, budget, log)
+    return result
+
+
+def _default_budget_mib() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return 0.8 * torch.cuda.get_device_properties(0).total_memory / 2**20
+    return 64.0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    tolerance = compare_mod.parse_tolerance(args.tolerance)
+    previous = None
+    if args.compare:
+        with open(args.compare) as f:
+            previous = json.load(f)
+        if previous.get("schema") != report.SCHEMA:
+            raise ValueError(f"--compare {args.compare}: schema {previous.get('schema')!r}, expected {report.SCHEMA!r}")
+    result = run(args)
+    findings = compare_mod.compare(result, previous, tolerance) if previous is not None else []
+    if previous is not None:
+        result["regressions"] = [f.as_dict() for f in findings]
+    os.makedirs(args.output_dir, exist_ok=True)
+    json_path = os.path.join(args.output_dir, "bench.json")
+    report.write_json(result, json_path)
+    table = report.markdown(result)
+    with open(os.path.join(args.output_dir, "bench.md"), "w") as f:
+        f.write(table)
+    pngs = [] if args.no_plots else report.plots(result, args.output_dir)
+    print(table)
+    print(f"wrote {json_path}, {os.path.join(args.output_dir, 'bench.md')}" + "".join(f", {p}" for p in pngs))
+    if previous is not None:
+        for f in findings:
+            print(f"REGRESSION: {f.message}")
+        print(f"compared with {args.compare} at tolerance {tolerance * 100:.1f}%: "
+              f"{len(findings)} regression(s)")
+    broken = [p for p in result["sweep"] if p.get("parity_ok") is False]
+    return 1 if findings or (previous is not None and broken) else 0
+
+
+__all__ = ["build_parser", "main", "run", "search_max_seq"]
+
+if __name__ == "__main__":
+    sys.exit(main())

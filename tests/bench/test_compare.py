@@ -1,0 +1,118 @@
+"""The regression comparator, parity annotation, tolerance parsing and max-sequence search, on synthetic data."""
+
+import copy
+
+import pytest
+
+from megatron_longctx.bench import compare, report
+from megatron_longctx.bench.configs import BASELINE, default_configs, select, unavailable_reason
+from megatron_longctx.bench.regression import search_max_seq
+
+
+def _point(config, seq, step_time, mem, losses, grad_norms):
+    return {"config": config, "seq_length": seq, "status": "ok", "step_time_s": step_time, "peak_mem_bytes": mem,
+            "losses": losses, "grad_norms": grad_norms}
+
+
+def _result(ring_time=1.0, ring_mem=100 << 20, ring_losses=(5.0, 4.5), max_seq=16384):
+    sweep = [
+        _point(BASELINE, 1024, 2.0, 400 << 20, [5.0, 4.5], [2.0, 1.5]),
+        _point("ring", 1024, ring_time, ring_mem, list(ring_losses), [2.0, 1.5]),
+    ]
+    report.annotate(sweep, BASELINE)
+    return {"schema": report.SCHEMA, "sweep": sweep,
+            "max_seq": {"results": {BASELINE: {"max_seq": 1024}, "ring": {"max_seq": max_seq}}}}
+
+
+def test_annotate_ratios_and_parity():
+    result = _result()
+    ring = result["sweep"][1]
+    assert ring["time_ratio_vs_baseline"] == pytest.approx(0.5)
+    assert ring["mem_ratio_vs_baseline"] == pytest.approx(0.25)
+    assert ring["loss_max_rel_diff"] == 0.0 and ring["parity_ok"] is True
+    broken = _result(ring_losses=(5.0, 4.6))["sweep"][1]
+    assert broken["loss_max_rel_diff"] == pytest.approx(0.1 / 4.5)
+    assert broken["parity_ok"] is False
+
+
+def test_same_result_has_no_regression():
+    assert compare.compare(_result(), _result(), 0.05) == []
+
+
+def test_within_tolerance_is_not_a_regression():
+    assert compare.compare(_result(ring_time=1.04, ring_mem=104 << 20), _result(), 0.05) == []
+
+
+@pytest.mark.parametrize("current, kind", [
+    (_result(ring_time=1.2), "slower"),
+    (_result(ring_mem=130 << 20), "hungrier"),
+    (_result(ring_losses=(5.0, 4.7)), "parity"),
+    (_result(max_seq=8192), "max_seq"),
+])
+def test_each_regression_is_found(current, kind):
+    findings = compare.compare(current, _result(), 0.05)
+    assert [f.kind for f in findings] == [kind]
+    assert "ring" in findings[0].message
+
+
+def test_a_point_that_no_longer_runs_is_a_regression():
+    current = _result()
+    current["sweep"][1] = {"config": "ring", "seq_length": 1024, "status": "failed: boom"}
+    findings = compare.compare(current, _result(), 0.05)
+    assert [f.kind for f in findings] == ["missing"]
+
+
+def test_speed_is_compared_relative_to_the_baseline_of_the_same_run():
+    # The whole machine got 2x slower: baseline and plugin alike -> no regression.
+    slow = copy.deepcopy(_result())
+    for p in slow["sweep"]:
+        p["step_time_s"] *= 2
+    report.annotate(slow["sweep"], BASELINE)
+    assert compare.compare(slow, _result(), 0.05) == []
+
+
+@pytest.mark.parametrize("text, value", [("5%", 0.05), ("0.1", 0.1), ("12.5%", 0.125)])
+def test_parse_tolerance(text, value):
+    assert compare.parse_tolerance(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["five", "-1%", "5000%"])
+def test_bad_tolerance_names_the_flag(text):
+    with pytest.raises(ValueError, match="--tolerance"):
+        compare.parse_tolerance(text)
+
+
+def test_search_finds_the_boundary_within_the_resolution():
+    limit = 5000
+    out = search_max_seq(lambda s: s <= limit, start=512, cap=65536, granularity=256, resolution=0.05)
+    assert not out["at_cap"]
+    assert out["max_seq"] <= limit and out["max_seq"] >= limit * 0.95 - 256
+    assert all(p["ok"] == (p["seq_length"] <= limit) for p in out["probes"])
+    assert [p["seq_length"] for p in out["probes"]][:5] == [512, 1024, 2048, 4096, 8192]
+
+
+def test_search_at_cap_and_when_nothing_fits():
+    capped = search_max_seq(lambda s: True, start=512, cap=4096, granularity=256, resolution=0.1)
+    assert capped == {"max_seq": 4096, "at_cap": True, "probes": [{"seq_length": s, "ok": True}
+                                                                   for s in (512, 1024, 2048, 4096)]}
+    nothing = search_max_seq(lambda s: False, start=512, cap=4096, granularity=256, resolution=0.1)
+    assert nothing["max_seq"] == 0 and len(nothing["probes"]) == 1
+
+
+def test_search_rejects_a_bad_start():
+    with pytest.raises(ValueError, match="--max-seq-start"):
+        search_max_seq(lambda s: True, start=300, cap=4096, granularity=256, resolution=0.1)
+
+
+def test_config_selection_and_availability():
+    configs = default_configs(2)
+    names = [c.name for c in configs]
+    assert names[0] == BASELINE and {"baseline+recompute", "ring", "allgather", "ulysses", "hybrid",
+                                     "ring+offload", "ring+tiled", "ring+all"} <= set(names)
+    assert [c.name for c in select(configs, ["ring"])] == [BASELINE, "ring"]
+    with pytest.raises(ValueError, match="--configs"):
+        select(configs, ["warp-drive"])
+    by_name = {c.name: c for c in configs}
+    assert unavailable_reason(by_name[BASELINE], 2, 2) is None
+    assert "CP >= 4" in unavailable_reason(by_name["hybrid"], 2, 2)
+    assert "--num-query-groups" in unavailable_reason(by_name["ulysses"], 2, 1)
