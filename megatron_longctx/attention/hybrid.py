@@ -20,6 +20,14 @@ import torch.distributed as dist
 _GROUPS: dict[tuple[dist.ProcessGroup, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
+def _registered(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def hybrid_ranks(cp_ranks: Sequence[int], cp_rank: int, ulysses_size: int) -> tuple[list[int], list[int]]:
     """Global ranks of this rank's (all-to-all group, ring group): ``ulysses_size`` consecutive cp ranks,
     and one rank of each such group (Megatron's ``create_hierarchical_groups`` order)."""
@@ -37,7 +45,7 @@ def hybrid_groups(cp_group: dist.ProcessGroup, ulysses_size: int) -> tuple[dist.
     ``hcp`` groups (``cp_attention(..., hcp_groups=...)``), which exist already.
     """
     key = (cp_group, ulysses_size)
-    if key not in _GROUPS:
+    if key not in _GROUPS or not all(map(_registered, _GROUPS[key])):  # none yet, or destroyed since
         ranks = dist.get_process_group_ranks(cp_group)
         a2a_ranks, ring_ranks = hybrid_ranks(ranks, dist.get_rank(cp_group), ulysses_size)
         a2a = dist.new_group(a2a_ranks, use_local_synchronization=True)
