@@ -8,10 +8,10 @@ Each is listed in :data:`_PATCHES` / :func:`_patches` with the reason:
 * the CUDA RNG state: ``model_parallel_cuda_manual_seed``, the ``CudaRNGStatesTracker`` (``fork()``)
   and recompute's ``CheckpointFunction`` save and restore it;
 * ``get_pos_emb_on_this_cp_rank`` (RoPE under CP > 1) pins memory and calls ``.cuda()``;
-* ``torch.cuda.synchronize()`` after batched pipeline sends (``batch_p2p_sync``): nothing to wait
-  for on the CPU;
-* ``get_default_causal_mask`` and the token counters of ``pipeline_parallel/schedules.py`` allocate
-  with ``device="cuda"``.
+* ``torch.cuda.synchronize()`` after batched pipeline sends (``batch_p2p_sync``) and
+  ``torch.cuda.current_stream()`` waits in DDP's grad sync: nothing to wait for on the CPU;
+* ``get_default_causal_mask``, the token counters of ``pipeline_parallel/schedules.py`` and the
+  optimizer's flags and grad-norm buffers allocate with ``device="cuda"``.
 
 :func:`enabled` redirects exactly these to the CPU for the duration of a ``with`` block: the current
 device is ``cpu``; the CUDA RNG functions act on the CPU generator (the one dropout on CPU tensors
@@ -54,6 +54,24 @@ def _cpu_manual_seed(seed: int) -> None:
 
 def _no_device_to_synchronize(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+class _NoStream:
+    """Stands for ``torch.cuda.current_stream()``: on the CPU work is ordered already, so waits are no-ops
+    (DDP's grad sync waits on its events and streams)."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _current_stream(*args: Any, **kwargs: Any) -> _NoStream:
+    return _NoStream()
 
 
 def _current_device() -> torch.device:
@@ -103,6 +121,9 @@ def _cpu_torch() -> types.ModuleType:
 _HARD_CODED_CUDA_MODULES = (
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens counters
     "megatron.core.distributed.param_and_grad_buffer",  # grad-buffer warm-up tensor
+    "megatron.core.optimizer.optimizer",  # found_inf / loss-scale / overflow flags
+    "megatron.core.optimizer.clip_grads",  # grad-norm and zero-count accumulators
+    "megatron.core.utils",  # small flags and buffers of the helpers above
 )
 
 
@@ -130,6 +151,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "manual_seed", _cpu_manual_seed),
         (torch.cuda, "manual_seed_all", _cpu_manual_seed),
         (torch.cuda, "synchronize", _no_device_to_synchronize),
+        (torch.cuda, "current_stream", _current_stream),
     ]
     try:
         from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding  # noqa: F401

@@ -20,6 +20,7 @@ kills all ranks and fails: a hang is a failure, never a stuck CI.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import multiprocessing as mp
@@ -71,7 +72,10 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
         results.put((rank, False, traceback.format_exc()))
         return
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get()
+        except (EOFError, OSError):  # the test process is gone
+            break
         if task is None:
             break
         fn, args, kwargs = task
@@ -98,7 +102,7 @@ class _Pool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results))
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -158,6 +162,8 @@ def _now() -> float:
 
 
 _pools: dict[int, _Pool] = {}
+# Ranks are not daemons (Megatron's checkpoint writer starts processes of its own); stop them at exit.
+atexit.register(lambda: shutdown())
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:

@@ -8,11 +8,11 @@ benchmark drive Megatron-Core directly: ``parallel_state`` for the groups, ``GPT
 ``dist_checkpointing`` (``torch_dist``).  On a CPU-only process everything runs under
 :func:`megatron_longctx.cpu_compat.enabled`.
 
-Where that is not enough on a CPU (Megatron's FP32 optimizer and its grad-norm helpers allocate on
-``"cuda"``; dist_checkpointing's writer calls ``torch.cuda.synchronize()``), the engine says so in
-:attr:`Trainer.fallbacks` and uses a plain equivalent: ``torch.optim.AdamW`` on DDP's ``main_grad``
-and one ``torch.save`` file per rank.  On GPUs, and on CPUs once cpu_compat covers those calls, the
-Megatron paths are taken.
+Should one of those Megatron paths still fail on a CPU-only process (a Megatron version that allocates
+on ``"cuda"`` somewhere cpu_compat does not know), the engine says so in :attr:`Trainer.fallbacks` and
+uses a plain equivalent: ``torch.optim.AdamW`` on DDP's ``main_grad``, a manual grad all-reduce, or one
+``torch.save`` file per rank.  The run's summary lists every fallback taken; with the pinned versions
+there are none.
 
 Loss convention (Megatron's legacy 2-tuple ``loss_func``): each rank returns its masked token-loss sum
 divided by the token count of the *whole* micro-batch sequence; Megatron's schedule multiplies by the
@@ -385,7 +385,7 @@ class Trainer:
             self.fallbacks["checkpoint"] = "torch.save per rank (the CPU optimizer fallback has no sharded state)"
         elif "checkpoint" not in self.fallbacks and not self._cuda_sync_usable():
             self.fallbacks["checkpoint"] = ("torch.save per rank (dist_checkpointing's writer calls "
-                                            "torch.cuda.synchronize(), which cpu_compat does not cover)")
+                                            "torch.cuda.synchronize(), unusable here outside cpu_compat.enabled())")
         if "checkpoint" in self.fallbacks:
             torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step},
                        os.path.join(directory, f"rank{dist.get_rank()}.pt"))
