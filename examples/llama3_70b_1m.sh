@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Llama-3-70B, 1M-token sequences, 8 nodes of 8 x H200,
-# inside the NGC container built from ../Dockerfile (see NGC.md).
+# inside the NGC container built from ../Dockerfile (see "Running inside the NGC container" in ../README.md).
 # Planner (megatron-longctx plan --model llama3-70b --seq-length 1M --num-gpus 64 --gpu h200):
 #   recommended: TP4 CP16 (p2p) DP1, recompute none, offload layers, MLP tiles 4, loss tiles 8
 #   predicted memory per GPU (GiB): weights (bf16) 32.9, grads (fp32 buffer) 65.7, optimizer (dist.,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Llama-3-8B, 128K-token sequences, one node of 8 x H200,
-# inside the NGC container built from ../Dockerfile (see NGC.md).
+# inside the NGC container built from ../Dockerfile (see "Running inside the NGC container" in ../README.md).
 # Planner (megatron-longctx plan --model llama3-8b --seq-length 128K --num-gpus 8 --gpu h200):
 #   recommended: TP2 CP4 (p2p) DP1, recompute none, offload none, MLP tiles 1, loss tiles 8
 #   predicted memory per GPU (GiB): weights (bf16) 7.5, grads (fp32 buffer) 15.0, optimizer (dist., fp32

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Llama-3-8B, 1M-token sequences, one node of 8 x H200,
-# inside the NGC container built from ../Dockerfile (see NGC.md).
+# inside the NGC container built from ../Dockerfile (see "Running inside the NGC container" in ../README.md).
 # Planner (megatron-longctx plan --model llama3-8b --seq-length 1M --num-gpus 8 --gpu h200):
 #   recommended: TP1 CP8 (p2p) DP1, recompute full, offload none, MLP tiles 4, loss tiles 8
 #   predicted memory per GPU (GiB): weights (bf16) 15.0, grads (fp32 buffer) 29.9, optimizer (dist.,
