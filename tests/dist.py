@@ -47,8 +47,8 @@ def _live_groups() -> set:
 
 
 def _destroy_groups_since(before: set) -> None:
-    """Destroy the process groups a test created (Megatron's ``destroy_model_parallel`` forgets its
-    groups without destroying them; each gloo group keeps threads alive in a reused rank)."""
+    """Destroy the process groups created since ``before`` (Megatron's ``destroy_model_parallel``
+    forgets its groups without destroying them; each gloo group keeps threads alive in a reused rank)."""
     import torch.distributed as dist
 
     for group in _live_groups() - before:
@@ -79,13 +79,11 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
         if task is None:
             break
         fn, args, kwargs = task
-        groups_before = _live_groups()
         try:
             value = fn(*args, **kwargs)
             results.put((rank, True, value))
         except BaseException:  # noqa: BLE001
             results.put((rank, False, traceback.format_exc()))
-        _destroy_groups_since(groups_before)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
@@ -203,6 +201,7 @@ def megatron_parallel(tp: int = 1, cp: int = 1, pp: int = 1, **kwargs: Any):
     """
     from megatron.core import parallel_state
 
+    groups_before = _live_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp, **kwargs
     )
@@ -210,3 +209,4 @@ def megatron_parallel(tp: int = 1, cp: int = 1, pp: int = 1, **kwargs: Any):
         yield parallel_state
     finally:
         parallel_state.destroy_model_parallel()
+        _destroy_groups_since(groups_before)
