@@ -31,7 +31,7 @@ import functools
 import torch
 
 from . import driver
-from .base import BlockArgs, KernelUnsupported, LiveBlock
+from .base import BlockArgs, LiveBlock
 from .merge import merge
 
 name = "cpu_flash"
@@ -140,22 +140,16 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) ->
     return reason
 
 
-def _ensure(q, k, v, args) -> None:
-    reason = check(q, k, v, args)
-    if reason is not None:
-        raise KernelUnsupported(reason)
-
-
 @torch.no_grad()
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """Block forward (layouts in :mod:`.base`): out ``[b, s_q, h_q, d_v]``, lse ``[b, h_q, s_q]``."""
-    _ensure(q, k, v, args)
+    driver.require(check(q, k, v, args))
     return driver.forward(_KERNEL, driver.pieces_for(args, q.shape[1], k.shape[1]), q, k, v, args)
 
 
 @torch.no_grad()
 def backward(dout, q, k, v, out, lse, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block backward given the final ``out``/``lse`` of each row (FlashAttention-2 backward)."""
-    _ensure(q, k, v, args)
+    driver.require(check(q, k, v, args))
     pieces = driver.pieces_for(args, q.shape[1], k.shape[1])
     return driver.backward(_KERNEL, pieces, dout, q, k, v, out, lse, args)

@@ -23,7 +23,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .base import BlockArgs, LiveBlock, check_shapes
+from .base import BlockArgs, KernelUnsupported, LiveBlock, check_shapes
+
+
+def require(reason: str | None) -> None:
+    """Raise :class:`KernelUnsupported` with a backend's ``check`` reason, if it gave one."""
+    if reason is not None:
+        raise KernelUnsupported(reason)
 
 
 class PieceKernel(Protocol):

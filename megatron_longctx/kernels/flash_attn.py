@@ -30,7 +30,7 @@ import torch
 from packaging.version import Version
 
 from . import driver
-from .base import BlockArgs, KernelUnsupported, LiveBlock
+from .base import BlockArgs, LiveBlock
 
 name = "flash_attn"
 
@@ -186,9 +186,7 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) ->
 
 
 def _ensure(q, k, v, args) -> driver.PieceKernel:
-    reason = check(q, k, v, args)
-    if reason is not None:
-        raise KernelUnsupported(reason)
+    driver.require(check(q, k, v, args))
     return _kernel_for(q.device)
 
 
