@@ -113,24 +113,31 @@ def cp_attention(
     return out.transpose(0, 1).contiguous()  # [b, s/cp, h_q, d_v] -> [s/cp, b, h_q, d_v]
 
 
-def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [s, b, h, d]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+# token dims -> (layout, what q, k and v must share)
+_LAYOUTS = {2: ("[s, b, h, d]", "agree on [s, b]"), 1: ("[t, h, d] (THD)", "hold the same tokens")}
+
+
+def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_dims: int = 2) -> None:
+    """q, k, v agree as self-attention inputs: ``token_dims`` leading token dims ([s, b] or packed [t]),
+    then heads and head dim."""
+    (layout, same_tokens), ndim = _LAYOUTS[token_dims], token_dims + 2
+    if q.dim() != ndim or k.dim() != ndim or v.dim() != ndim:
+        raise ValueError(f"q, k, v must be {layout}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if not (q.shape[:2] == k.shape[:2] == v.shape[:2]):
-        raise ValueError(f"q, k, v must agree on [s, b] (self-attention); got q {tuple(q.shape)}, "
+    if not (q.shape[:token_dims] == k.shape[:token_dims] == v.shape[:token_dims]):
+        raise ValueError(f"q, k, v must {same_tokens} (self-attention); got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same number of heads; got k {k.shape[2]}, v {v.shape[2]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must share the head dim d_qk; got q {q.shape[3]}, k {k.shape[3]}")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) (GQA/MQA)")
-    if q.shape[0] == 0 or q.shape[1] == 0:
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv != v.shape[-2]:
+        raise ValueError(f"k and v must have the same number of heads; got k {hkv}, v {v.shape[-2]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dim d_qk; got q {q.shape[-1]}, k {k.shape[-1]}")
+    if hq % hkv != 0:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv}) (GQA/MQA)")
+    if token_dims == 2 and (q.shape[0] == 0 or q.shape[1] == 0):
         raise ValueError(f"q has an empty sequence or batch: {tuple(q.shape)}")
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..kernels.base import BlockMask
 from ..kernels.select import get_kernel
-from .api import ALGORITHMS, AttentionArgs, _check_algorithm, _check_window
+from .api import ALGORITHMS, AttentionArgs, _check_algorithm, _check_tensors, _check_window
 from .packed_a2a import PackedA2AAttention, PackedA2APlan
 from .packed_allgather import PackedAllGatherAttention, PackedAllGatherPlan
 from .packed_layout import Packing, PackedLayout, group_order, partition_index
@@ -95,7 +95,7 @@ def cp_attention_packed(
     if not isinstance(packing, Packing):
         raise ValueError(f"packing must be a Packing (Packing.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)); "
                          f"got {type(packing).__name__}")
-    _check_tensors(q, k, v)
+    _check_tensors(q, k, v, token_dims=1)
     if packing.total == 0:
         raise ValueError(f"packing holds no real token (cu_seqlens={list(packing.cu_seqlens)}); skip the call")
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
@@ -158,22 +158,3 @@ def _check_same_packing_across_ranks(q, k, v, packing: Packing, cp_group: dist.P
             f"documents, cu_seqlens_padded[-1]={packing.padded_total}, q {tuple(q.shape)}): pass every rank the same "
             "global cu_seqlens / cu_seqlens_padded and its own shard of the packed sequence"
         )
-
-
-def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"packed q, k, v must be [t, h, d] (THD); got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"q, k, v must hold the same tokens (self-attention); got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same number of heads; got k {k.shape[1]}, v {v.shape[1]}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must share the head dim d_qk; got q {q.shape[2]}, k {k.shape[2]}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) (GQA/MQA)")
