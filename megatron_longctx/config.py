@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import field
 from typing import Any, Mapping
 
+from megatron_longctx.flags import flag_error as _err
+from megatron_longctx.flags import flag_name  # noqa: F401 - part of this module's API
 from megatron_longctx.memory.config import MemoryConfig
 
 # The algorithms of megatron_longctx.attention; "auto" follows Megatron's own --cp-comm-type.
@@ -26,15 +28,6 @@ CP_COMM_TYPE_TO_ALGORITHM = {
     "a2a": "ulysses",
     "a2a+p2p": "hybrid",
 }
-
-
-def flag_name(field_name: str) -> str:
-    """The command-line flag of a config field: ``cp_algorithm`` -> ``--longctx-cp-algorithm``."""
-    return "--longctx-" + field_name.replace("_", "-")
-
-
-def _err(name: str, message: str) -> ValueError:
-    return ValueError(f"{flag_name(name)}: {message}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import field
 from typing import Optional
 
+from megatron_longctx.flags import flag_error as _err
+
 OFFLOAD_POLICIES = ("none", "checkpoint", "modules", "layers")
 OFFLOAD_TARGETS = ("host", "disk")
 RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
@@ -18,14 +20,6 @@ RECOMPUTE_METHODS = ("uniform", "block")
 # Names a Megatron user gives to the parts of a transformer layer (selective recompute, module offload).
 RECOMPUTE_MODULE_NAMES = ("core_attn", "qkv", "proj", "mlp", "layernorm")
 OFFLOAD_MODULE_NAMES = ("core_attn", "qkv", "proj", "mlp", "layernorm")
-
-
-def _flag(name: str) -> str:
-    return "--longctx-" + name.replace("_", "-")
-
-
-def _err(name: str, message: str) -> ValueError:
-    return ValueError(f"{_flag(name)}: {message}")
 
 
 @dataclasses.dataclass(frozen=True)
