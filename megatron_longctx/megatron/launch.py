@@ -22,6 +22,7 @@ Users who prefer editing ``pretrain_gpt.py`` find the equivalent few-line diffs 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
@@ -133,11 +134,20 @@ def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
         mtp = bound.arguments.get("mtp_block_spec")
         if mtp is not None:
             bound.arguments["mtp_block_spec"] = transform_spec(mtp, cfg, require=False)
+        if cfg.memory.recompute_enabled and getattr(bound.arguments.get("config"), "recompute_granularity", None):
+            bound.arguments["config"] = _without_megatron_recompute(bound.arguments["config"])
         original(*bound.args, **bound.kwargs)
         if cfg.memory.any_enabled:
             from megatron_longctx.memory import install as install_memory
 
             self._longctx_memory_handle = install_memory(self, cfg.memory)
+            if cfg.memory.recompute_enabled and os.environ.get("RANK", "0") == "0":
+                mem = cfg.memory
+                what = (f"selective: {' '.join(mem.recompute_modules)}" if mem.recompute_granularity == "selective"
+                        else f"full: {mem.recompute_method}")
+                print(f"megatron_longctx.launch: Megatron's --recompute-granularity ({what}) runs in the plugin's "
+                      f"recompute on {len(self._longctx_memory_handle.layers)} layers (see plugin_recompute)",
+                      flush=True)
 
     __init__.__longctx_wrapped__ = original
     return __init__
@@ -178,6 +188,16 @@ def _is_last_rank() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def _without_megatron_recompute(config: Any) -> Any:
+    """A copy of a TransformerConfig with Megatron's recompute off: the plugin runs it instead
+    (:func:`megatron_longctx.megatron.args.plugin_recompute` says when)."""
+    config = copy.copy(config)
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        setattr(config, name, None)
+    config.recompute_modules = []
+    return config
 
 
 def _targets() -> list[tuple[Any, str, Callable]]:
