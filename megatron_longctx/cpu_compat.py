@@ -30,7 +30,8 @@ Megatron-LM's training stack (``megatron.training``, what ``pretrain_gpt.py`` ru
   ``torch.cuda.device_count() > 0``: that module sees one device (and ``set_device`` is a no-op);
 * ``initialize._warmup_jit_function`` warms the fused kernels on ``"cuda"``: skipped;
 * ``.cuda()`` on tensors and modules (the script's ``get_batch``, ``get_model``) returns them as they
-  are, and ``megatron.training.training`` / ``rerun_state_machine`` allocate with ``device="cuda"``;
+  are, and ``megatron.training.training`` / ``checkpointing`` / ``rerun_state_machine`` allocate with
+  ``device="cuda"``;
 * ``torch.cuda.Stream()`` (the DDP wrap's initialisation stream) is a stream that never waits;
 * the optimizers and ``clip_grad_by_total_norm_fp32`` check parameters and grads by their type names
   (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``): ``Tensor.type()`` names CPU tensors so.
@@ -152,6 +153,7 @@ _HARD_CODED_CUDA_MODULES = (
 _HARD_CODED_CUDA_TRAINING_MODULES = (
     "megatron.training.training",  # start-time and loss-accumulator tensors
     "megatron.core.rerun_state_machine",  # validated-result flags
+    "megatron.training.checkpointing",  # the loaded iteration, agreed across ranks
 )
 
 
@@ -407,7 +409,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"megatron_longctx.cpu_compat: no such script: {argv[0]}")
     script = os.path.abspath(argv[0])
     sys.path.insert(0, os.path.dirname(script))  # before Megatron is imported: the script's tree first
+    from megatron_longctx.megatron.args import megatron_parser, with_defaults
+    from megatron_longctx.megatron.launch import log_losses, megatron_default_args, skip_built_helpers
+
+    skip_built_helpers()  # the wheel ships the compiled dataset helpers without their Makefile
+    log_losses()  # $LONGCTX_LOSS_LOG, as the launcher writes it
     args, added = cpu_default_args(argv[1:])
+    parser = megatron_parser()
+    args, more = with_defaults(args, megatron_default_args(parser), parser)
+    added += more
     if added and os.environ.get("RANK", "0") == "0":
         print(f"megatron_longctx.cpu_compat: defaults set (explicit flags win): {', '.join(added)}", flush=True)
     enable()

@@ -106,7 +106,10 @@ class ScriptRun:
         return self
 
 
-def run_script(script: Path, args: Sequence[str], nproc: int = 2, launcher: Sequence[str] = ("-m", "megatron_longctx.launch"),
+LAUNCHER = ("-m", "megatron_longctx.launch")
+
+
+def run_script(script: Path, args: Sequence[str], nproc: int = 2, launcher: Sequence[str] = LAUNCHER,
                env: Optional[dict] = None, timeout: int = TIMEOUT_S) -> ScriptRun:
     """``torchrun --nproc-per-node nproc <launcher> script args`` from the script's folder (``nproc=0``: no
     torchrun, one plain process; ``launcher=()``: the script itself)."""

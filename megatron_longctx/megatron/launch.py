@@ -165,7 +165,18 @@ def _skip_built_helpers(original: Callable) -> Callable:
             return original(*args, **kwargs)
         return None
 
+    compile_helpers.__longctx_wrapped__ = original
     return compile_helpers
+
+
+def skip_built_helpers() -> None:
+    """For the process's lifetime, skip Megatron's helpers build when ``helpers_cpp`` imports (idempotent;
+    :func:`install` does it reversibly; the ``patches/`` hooks and ``python -m megatron_longctx.cpu_compat``
+    call this)."""
+    with contextlib.suppress(ImportError):
+        datasets_utils = importlib.import_module("megatron.core.datasets.utils")
+        if not hasattr(datasets_utils.compile_helpers, "__longctx_wrapped__"):
+            datasets_utils.compile_helpers = _skip_built_helpers(datasets_utils.compile_helpers)
 
 
 def _log_losses(original: Callable) -> Callable:
@@ -181,7 +192,17 @@ def _log_losses(original: Callable) -> Callable:
                 f.write(json.dumps({"iteration": int(iteration), **losses}) + "\n")
         return original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
 
+    training_log.__longctx_wrapped__ = original
     return training_log
+
+
+def log_losses() -> None:
+    """For the process's lifetime, write ``$LONGCTX_LOSS_LOG`` (idempotent; :func:`install` does it
+    reversibly; ``python -m megatron_longctx.cpu_compat`` calls this)."""
+    with contextlib.suppress(ImportError):
+        training = importlib.import_module("megatron.training.training")
+        if not hasattr(training.training_log, "__longctx_wrapped__"):
+            training.training_log = _log_losses(training.training_log)
 
 
 def _is_last_rank() -> bool:
@@ -205,10 +226,12 @@ def _targets() -> list[tuple[Any, str, Callable]]:
     targets = []
     with contextlib.suppress(ImportError):
         datasets_utils = importlib.import_module("megatron.core.datasets.utils")
-        targets.append((datasets_utils, "compile_helpers", _skip_built_helpers(datasets_utils.compile_helpers)))
+        if not hasattr(datasets_utils.compile_helpers, "__longctx_wrapped__"):
+            targets.append((datasets_utils, "compile_helpers", _skip_built_helpers(datasets_utils.compile_helpers)))
     with contextlib.suppress(ImportError):
         training = importlib.import_module("megatron.training.training")
-        targets.append((training, "training_log", _log_losses(training.training_log)))
+        if not hasattr(training.training_log, "__longctx_wrapped__"):
+            targets.append((training, "training_log", _log_losses(training.training_log)))
     try:
         arguments = importlib.import_module("megatron.training.arguments")
     except ImportError:
@@ -282,6 +305,13 @@ def warn_if_mixed_trees() -> None:
               "megatron-core)", file=sys.stderr, flush=True)
 
 
+def megatron_default_args(parser: Any) -> list[tuple[str, ...]]:
+    """Defaults Megatron-LM lacks and needs on any device: ``--eval-interval 1000`` where it has none (0.19
+    computes ``train_iters // eval_interval``)."""
+    eval_interval = parser._option_string_actions.get("--eval-interval")
+    return [("--eval-interval", "1000")] if eval_interval is not None and eval_interval.default is None else []
+
+
 def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """``(argv + the defaults the launcher sets, those defaults as text)``; flags given in ``argv`` win.
 
@@ -300,10 +330,7 @@ def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     except ImportError:  # no megatron.training (the 0.16 wheel without a Megatron-LM checkout): nothing to set
         return list(argv), []
     argv, added = cpu_compat.cpu_default_args(list(argv))
-    defaults: list[tuple[str, ...]] = []
-    eval_interval = parser._option_string_actions.get("--eval-interval")
-    if eval_interval is not None and eval_interval.default is None:
-        defaults.append(("--eval-interval", "1000"))
+    defaults = megatron_default_args(parser)
     namespace, _ = parser.parse_known_args(argv)
     if getattr(namespace, "context_parallel_size", 1) > 1:
         defaults += [("--attention-dropout", "0"), ("--no-create-attention-mask-in-dataloader",)]

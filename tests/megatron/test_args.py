@@ -106,7 +106,8 @@ def _ns(**kw):
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
      dict(recompute_granularity="none")),
     # Without TE Megatron's layernorm (and mlp with a bias) fail: the plugin runs the whole selective set.
-    (dict(recompute_granularity="selective", recompute_modules=["layernorm", "core_attn"], transformer_impl="local"),
+    (dict(recompute_granularity="selective", recompute_modules=["layernorm", "core_attn"],
+          transformer_impl="local"),
      dict(recompute_granularity="selective", recompute_modules=("layernorm", "core_attn"))),
     (dict(recompute_granularity="selective", recompute_modules=["mlp"], add_bias_linear=True, transformer_impl="local"),
      dict(recompute_granularity="selective", recompute_modules=("mlp",))),
