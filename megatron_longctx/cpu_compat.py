@@ -263,6 +263,8 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "synchronize", _no_device_to_synchronize),
         (torch.cuda, "current_stream", _current_stream),
     ]
+    with contextlib.suppress(ImportError):  # first: it imports Megatron-Core modules that the lines below patch
+        importlib.import_module("megatron.training.training")
     try:
         from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding  # noqa: F401
         from megatron.core.tensor_parallel import random as mp_random
