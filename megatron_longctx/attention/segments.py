@@ -237,3 +237,45 @@ def attend_segments_backward(
         dq_acc[:, rows] += dq
         dk_acc[:, cols] += dk
         dv_acc[:, cols] += dv
+
+
+def _whole(calls: tuple[BlockCall, ...], s_q: int, s_k: int) -> bool:
+    """One call over every query row and key row: its kernel result is the whole answer."""
+    return len(calls) == 1 and (calls[0].q_lo, calls[0].q_hi, calls[0].k_lo, calls[0].k_hi) == (0, s_q, 0, s_k)
+
+
+def attend_local(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[BlockCall, ...], softmax_scale: float,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local attention of q ``[b, s_q, h_q, d_qk]`` over k/v ``[b, s_k, h_kv, d]`` by ``calls`` -> out
+    ``[b, s_q, h_q, d_v]`` (q's dtype), lse ``[b, h_q, s_q]`` (accumulator dtype).
+
+    A single call covering the whole block returns the kernel's own result: no float32 accumulator
+    and no merge (the merge of one partial into an empty accumulator is the identity).
+    """
+    if _whole(calls, q.shape[1], k.shape[1]):
+        c = calls[0]
+        args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
+        out, lse = kernel_for(q, k, v, args, backend).forward(q, k, v, args)
+        return out.contiguous(), lse.to(_accumulator_dtype(q))
+    out, lse = new_accumulators(q, v.shape[-1])
+    attend_segments(q, k, v, calls, softmax_scale, backend, out, lse)
+    return out.to(q.dtype), lse
+
+
+def attend_local_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    calls: tuple[BlockCall, ...], softmax_scale: float, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`attend_local` in the input dtypes (one whole call: the kernel's, held once)."""
+    if _whole(calls, q.shape[1], k.shape[1]):
+        c = calls[0]
+        args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
+        return kernel_for(q, k, v, args, backend).backward(dout, q, k, v, out, lse.contiguous(), args)
+    acc = lse.dtype
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, s_q, h_q, d_qk]
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # [b, s_k, h_kv, d_qk]
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)  # [b, s_k, h_kv, d_v]
+    attend_segments_backward(dout, q, k, v, out, lse, calls, softmax_scale, backend, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -28,7 +28,7 @@ from megatron_longctx.attention.packed import (
     shard_packed,
     unpad_packed,
 )
-from megatron_longctx.attention.packed_plan import packed_ring_schedule
+from megatron_longctx.attention.schedule import ring_schedule as packed_ring_schedule
 from megatron_longctx.kernels.base import BlockMask
 from tests.attention.test_packed_attention import document_attention
 
