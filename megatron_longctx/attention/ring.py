@@ -22,7 +22,15 @@ import torch.distributed as dist
 from .args import AttentionArgs
 from .comm import RingComm, pack, unpack
 from .schedule import RingSchedule
-from .segments import attend_local, attend_local_backward, attend_segments, attend_segments_backward, new_accumulators
+from .segments import (
+    attend_first,
+    attend_local,
+    attend_local_backward,
+    attend_segments,
+    attend_segments_backward,
+    attend_whole_backward,
+    whole,
+)
 
 
 def _ring_rank(group: dist.ProcessGroup | None, schedule: RingSchedule) -> int:
@@ -48,7 +56,7 @@ def ring_forward(
     rank = _ring_rank(group, schedule)
     if not schedule.transfers:
         return attend_local(q, k, v, schedule.calls[0][rank], args.softmax_scale, args.backend)
-    out, lse = new_accumulators(q, v.shape[-1])
+    out = lse = None
     comm = RingComm(group)
     kv = pack([k, v])  # [numel(k) + numel(v)]
     for i in range(len(schedule.offsets)):
@@ -57,7 +65,11 @@ def ring_forward(
             next_kv = comm.send_recv(kv, schedule.hop(i))
             comm.commit()
         k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - offsets[i])
-        attend_segments(q, k_i, v_i, schedule.calls[i][rank], args.softmax_scale, args.backend, out, lse)
+        calls = schedule.calls[i][rank]
+        if out is None:  # step 0: the accumulators start as this step's result
+            out, lse = attend_first(q, k_i, v_i, calls, args.softmax_scale, args.backend)
+        else:
+            attend_segments(q, k_i, v_i, calls, args.softmax_scale, args.backend, out, lse)
         if not last:
             comm.wait()
             kv = next_kv
@@ -87,9 +99,9 @@ def ring_backward(
     if not schedule.transfers:
         return attend_local_backward(dout, q, k, v, out, lse, schedule.calls[0][rank], args.softmax_scale,
                                      args.backend)
-    offsets, acc = schedule.offsets, lse.dtype
+    offsets = schedule.offsets
     kv_comm, dkv_comm = RingComm(group, tag=0), RingComm(group, tag=1)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, s/P, h_q, d_qk]
+    dq = None  # [b, s/P, h_q, d_qk] in the accumulator dtype, from step 0's gradients
     kv = pack([k, v])  # [numel(k) + numel(v)]
     own = incoming = None
     for i, t in enumerate(offsets):
@@ -98,11 +110,7 @@ def ring_backward(
             next_kv = kv_comm.send_recv(kv, schedule.hop(i))
             kv_comm.commit()
         k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - t)
-        dkv = torch.zeros(kv.numel(), dtype=acc, device=kv.device)  # this step's dK/dV, flat
-        dk_i, dv_i = unpack(dkv, (k.shape, v.shape))
-        attend_segments_backward(
-            dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args.softmax_scale, args.backend, dq, dk_i, dv_i
-        )
+        dq, dkv = _step_backward(dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args, dq)
         if i == 0:
             own = dkv
         else:
@@ -119,6 +127,24 @@ def ring_backward(
         own += incoming  # every other rank's contribution to this rank's dK/dV
     dk, dv = unpack(own, (k.shape, v.shape))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _step_backward(dout, q, k_i, v_i, out, lse, calls, args: AttentionArgs, dq):
+    """One ring step's gradients: ``dq`` accumulated (created on step 0, when None) and this step's dK/dV
+    flat ``[numel(k) + numel(v)]``, both in the accumulator dtype.  One call over the whole block
+    takes the kernel's gradients as they are (no zero-filled buffer to add them into)."""
+    acc = lse.dtype
+    if whole(calls, q.shape[1], k_i.shape[1]):
+        dq_i, dk_i, dv_i = attend_whole_backward(dout, q, k_i, v_i, out, lse, calls[0], args.softmax_scale,
+                                                 args.backend)
+        dq = dq_i.to(acc) if dq is None else dq.add_(dq_i)
+        return dq, pack([dk_i, dv_i], dtype=acc)
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dkv = torch.zeros(k_i.numel() + v_i.numel(), dtype=acc, device=q.device)  # this step's dK/dV, flat
+    dk_i, dv_i = unpack(dkv, (k_i.shape, v_i.shape))
+    attend_segments_backward(dout, q, k_i, v_i, out, lse, calls, args.softmax_scale, args.backend, dq, dk_i, dv_i)
+    return dq, dkv
 
 
 class RingAttention(torch.autograd.Function):

@@ -239,9 +239,43 @@ def attend_segments_backward(
         dv_acc[:, cols] += dv
 
 
-def _whole(calls: tuple[BlockCall, ...], s_q: int, s_k: int) -> bool:
+def whole(calls: tuple[BlockCall, ...], s_q: int, s_k: int) -> bool:
     """One call over every query row and key row: its kernel result is the whole answer."""
     return len(calls) == 1 and (calls[0].q_lo, calls[0].q_hi, calls[0].k_lo, calls[0].k_hi) == (0, s_q, 0, s_k)
+
+
+def _block_args(c: BlockCall, softmax_scale: float) -> BlockArgs:
+    return BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
+
+
+def attend_whole(q, k, v, call: BlockCall, softmax_scale: float, backend: str | None):
+    """The kernel's (out in q's dtype, lse) for one call spanning q and k/v entirely."""
+    args = _block_args(call, softmax_scale)
+    return kernel_for(q, k, v, args, backend).forward(q, k, v, args)
+
+
+def attend_whole_backward(dout, q, k, v, out, lse, call: BlockCall, softmax_scale: float, backend: str | None):
+    """The kernel's (dq, dk, dv), in the input dtypes, for one call spanning q and k/v entirely."""
+    args = _block_args(call, softmax_scale)
+    return kernel_for(q, k, v, args, backend).backward(dout, q, k, v, out, lse.contiguous(), args)
+
+
+def attend_first(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[BlockCall, ...], softmax_scale: float,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh accumulators holding the result of ``calls``: out ``[b, s_q, h_q, d_v]``, lse ``[b, h_q, s_q]``.
+
+    A single call covering every row and key is the accumulator itself (merging one partial into
+    zeros and ``-inf`` is the identity): no zero-filled buffers, no merge.
+    """
+    acc = _accumulator_dtype(q)
+    if whole(calls, q.shape[1], k.shape[1]):
+        out, lse = attend_whole(q, k, v, calls[0], softmax_scale, backend)
+        return out.to(acc), lse.to(acc)
+    out, lse = new_accumulators(q, v.shape[-1])
+    attend_segments(q, k, v, calls, softmax_scale, backend, out, lse)
+    return out, lse
 
 
 def attend_local(
@@ -252,15 +286,12 @@ def attend_local(
     ``[b, s_q, h_q, d_v]`` (q's dtype), lse ``[b, h_q, s_q]`` (accumulator dtype).
 
     A single call covering the whole block returns the kernel's own result: no float32 accumulator
-    and no merge (the merge of one partial into an empty accumulator is the identity).
+    and no merge.
     """
-    if _whole(calls, q.shape[1], k.shape[1]):
-        c = calls[0]
-        args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
-        out, lse = kernel_for(q, k, v, args, backend).forward(q, k, v, args)
+    if whole(calls, q.shape[1], k.shape[1]):
+        out, lse = attend_whole(q, k, v, calls[0], softmax_scale, backend)
         return out.contiguous(), lse.to(_accumulator_dtype(q))
-    out, lse = new_accumulators(q, v.shape[-1])
-    attend_segments(q, k, v, calls, softmax_scale, backend, out, lse)
+    out, lse = attend_first(q, k, v, calls, softmax_scale, backend)
     return out.to(q.dtype), lse
 
 
@@ -269,10 +300,8 @@ def attend_local_backward(
     calls: tuple[BlockCall, ...], softmax_scale: float, backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attend_local` in the input dtypes (one whole call: the kernel's, held once)."""
-    if _whole(calls, q.shape[1], k.shape[1]):
-        c = calls[0]
-        args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
-        return kernel_for(q, k, v, args, backend).backward(dout, q, k, v, out, lse.contiguous(), args)
+    if whole(calls, q.shape[1], k.shape[1]):
+        return attend_whole_backward(dout, q, k, v, out, lse, calls[0], softmax_scale, backend)
     acc = lse.dtype
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, s_q, h_q, d_qk]
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # [b, s_k, h_kv, d_qk]
