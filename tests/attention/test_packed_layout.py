@@ -30,7 +30,7 @@ from megatron_longctx.attention.packed import (
 )
 from megatron_longctx.attention.schedule import ring_schedule as packed_ring_schedule
 from megatron_longctx.kernels.base import BlockMask
-from tests.attention.test_packed_attention import document_attention
+from tests.oracle import document_attention
 
 LENGTHS = [(1,), (1, 7, 2, 16), (33, 1, 1, 5), (13,)]
 
