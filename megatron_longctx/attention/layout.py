@@ -205,7 +205,7 @@ class SeqLayout:
         Chunk ``rank`` comes first, chunk ``2*cp-1-rank`` second; each is clipped to the document's
         real length and dropped when nothing real is left.  Only the last kept segment can be
         clipped (the real tokens of a slot come first), so the local offset of each segment is the
-        sum of the lengths before it, as :func:`.segments.plan_blocks` assumes.
+        sum of the lengths before it, as :func:`.segments.schedule_blocks` assumes.
         """
         n = self.packing.lengths[doc]
         if self.cp_size == 1:

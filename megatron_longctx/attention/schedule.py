@@ -2,7 +2,7 @@
 
 Queries see keys of their own document only, at document-relative positions (what Megatron's RoPE
 gives them; a dense sequence is one document).  For each document the (query segments, key
-segments) of two shards are turned into calls by :func:`.segments.plan_blocks` (causal / windowed,
+segments) of two shards are turned into calls by :func:`.segments.schedule_blocks` (causal / windowed,
 blocks without a visible pair skipped, neighbours coalesced, so one zigzag ring step is one kernel
 call), and the calls are moved to where the document sits in each local tensor.  Pairs of different
 documents are never scheduled, and padding tokens are in no segment.
@@ -23,7 +23,7 @@ import functools
 
 from ..kernels.base import BlockMask
 from .layout import SeqLayout
-from .segments import BlockCall, plan_blocks
+from .segments import BlockCall, schedule_blocks
 
 
 def _shift(call: BlockCall, q_base: int, k_base: int) -> BlockCall:
@@ -49,7 +49,7 @@ def layout_calls(
         if not q_segs or not k_segs:
             continue
         q_base, k_base = q_layout.local_starts[d], k_layout.local_starts[d]
-        calls.extend(_shift(c, q_base, k_base) for c in plan_blocks(q_segs, k_segs, mask))
+        calls.extend(_shift(c, q_base, k_base) for c in schedule_blocks(q_segs, k_segs, mask))
     return tuple(calls)
 
 

@@ -2,16 +2,16 @@
 
 A rank's tokens are a few contiguous runs of global positions, its *segments*: under Megatron's
 load-balanced layout rank ``r`` of ``P`` holds ``[(r*c, c), ((2P-1-r)*c, c)]`` (``c`` = chunk
-length), concatenated in that order in memory.  :func:`plan_blocks` turns one (query segments,
+length), concatenated in that order in memory.  :func:`schedule_blocks` turns one (query segments,
 key segments) pair into a short list of kernel calls: every visible (query segment, key segment)
 block is computed exactly once, blocks outside the mask are skipped, and neighbouring blocks are
 coalesced into one call whenever a single mask over the rectangle they span reproduces the true
 mask of each block (so one step of the zigzag ring costs one kernel call, as in
-ring-flash-attention's zigzag variant, Zhu 2024).  :func:`attend_segments` runs the plan and folds
+ring-flash-attention's zigzag variant, Zhu 2024).  :func:`attend_segments` runs the calls and folds
 the partial results with the online softmax (FlashAttention, Dao et al. 2022); its backward runs
-the same plan.
+the same schedule.
 
-The plan is a pure function of positions, so every rank can compute every other rank's plan (the
+The schedule is a pure function of positions, so every rank can compute every other rank's (the
 ring schedule and the benchmark's FLOP counts rely on that).  Layout inside: ``[b, s, h, d]``.
 """
 
@@ -128,7 +128,7 @@ def _trim(mask: BlockMask, q_lo, q_hi, q_start, k_lo, k_hi, k_start) -> BlockCal
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_blocks(q_segs: Segments, k_segs: Segments, mask: BlockMask) -> tuple[BlockCall, ...]:
+def schedule_blocks(q_segs: Segments, k_segs: Segments, mask: BlockMask) -> tuple[BlockCall, ...]:
     """Kernel calls that compute attention of ``q_segs`` over ``k_segs`` under ``mask``.
 
     Greedy cover of the visible blocks by rectangles (contiguous runs of query segments x

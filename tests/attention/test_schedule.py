@@ -1,4 +1,4 @@
-"""The block plans and ring schedules: exact coverage, coalescing, skipped steps, bytes on the wire."""
+"""The block schedules and ring schedules: exact coverage, coalescing, skipped steps, bytes on the wire."""
 
 from __future__ import annotations
 
