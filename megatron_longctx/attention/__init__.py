@@ -4,13 +4,20 @@
 undo the layout it expects; :func:`schedule_flops` prices the schedule each algorithm runs.  Packed
 documents (THD): :class:`Packing` describes them, :func:`cp_attention_packed` (or ``cp_attention(...,
 packing=)``) attends within each document, :func:`shard_packed` / :func:`unshard_packed` /
-:func:`packed_batch_on_this_cp_rank` produce and undo the per-document layout.
+:func:`packed_batch_on_this_cp_rank` produce and undo the per-document layout.  Dense and packed
+sequences share one layout (:class:`SeqLayout`, a dense sequence is one document) and one schedule
+builder (:mod:`.schedule`).
+
+Modules, bottom up: :mod:`.zigzag` (the chunk rule), :mod:`.args` (arguments and their checks),
+:mod:`.segments` (block calls and the online-softmax loop), :mod:`.layout`, :mod:`.schedule`,
+:mod:`.comm`; the patterns :mod:`.ring`, :mod:`.allgather`, :mod:`.a2a_ring` (Ulysses, hybrid) with
+:mod:`.hybrid_groups`; :mod:`.agreement` (the cross-rank check); :mod:`.api` (the entry points);
+:mod:`.sharding` / :mod:`.packed_sharding` (shard and gather tensors); :mod:`.packed` (packed names).
 """
 
-from .api import ALGORITHMS, cp_attention, schedule_flops
-from .packed import (
-    Packing,
-    cp_attention_packed,
+from .api import ALGORITHMS, cp_attention, cp_attention_packed, schedule_flops
+from .layout import Packing, SeqLayout
+from .packed_sharding import (
     packed_batch_on_this_cp_rank,
     pad_packed,
     shard_packed,
@@ -22,6 +29,7 @@ from .sharding import shard_sequence, unshard_sequence
 __all__ = [
     "ALGORITHMS",
     "Packing",
+    "SeqLayout",
     "cp_attention",
     "cp_attention_packed",
     "packed_batch_on_this_cp_rank",

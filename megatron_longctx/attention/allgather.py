@@ -3,58 +3,40 @@
 The context-parallel attention of Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.2;
 Megatron/TE ``cp_comm_type="all_gather"``): one all-gather of K/V in forward, and in backward the
 K/V are gathered again (rather than kept, P times the local size) and dK/dV are reduce-scattered
-back to their owners.  The gathered K/V are put in natural order, so each local query chunk is one
-kernel call over the keys it can see.  Layout inside: ``[b, s, h, d]``.
+back to their owners.  The gathered shards are put back in natural order
+(:func:`.layout.from_ranks` with ``U = cp``), where each document is one contiguous key run, so
+each local query chunk is one kernel call over the keys of its document it can see (dense: one
+document).  Layout inside: ``[b, s, h, d]``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-from ..kernels.base import BlockMask
+from .args import AttentionArgs
 from .comm import all_gather, pack, reduce_scatter, unpack
-from .segments import (
-    BlockCall,
-    Segment,
-    attend_segments,
-    attend_segments_backward,
-    new_accumulators,
-    plan_blocks,
-)
-from .sharding import SeqLayout, natural_to_ranks, ranks_to_natural
-
-if TYPE_CHECKING:
-    from .api import AttentionArgs
+from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
+from .schedule import allgather_calls
+from .segments import attend_segments, attend_segments_backward, new_accumulators
 
 
-def allgather_calls(layout: SeqLayout, rank: int, mask: BlockMask) -> tuple[BlockCall, ...]:
-    """Kernel calls of ``rank``: its query segments against the whole sequence in natural order."""
-    return plan_blocks(layout.segments(rank), (Segment(0, layout.global_len),), mask)
-
-
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local k ``[b, s/P, h_kv, d_qk]``, v ``[b, s/P, h_kv, d_v]`` -> the global ones ``[b, s, h_kv, d]``."""
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index):
+    """Local k ``[b, t, h_kv, d_qk]``, v ``[b, t, h_kv, d_v]`` -> the gathered ones ``[b, P*t, h_kv, d]``."""
     p = dist.get_world_size(group)
     gathered = all_gather(pack([k, v]), group)  # [P, numel(k) + numel(v)]
-    k_all = ranks_to_natural(gathered[:, : k.numel()].view(p, *k.shape))  # [b, s, h_kv, d_qk]
-    v_all = ranks_to_natural(gathered[:, k.numel():].view(p, *v.shape))  # [b, s, h_kv, d_v]
+    k_all = from_ranks(gathered[:, : k.numel()].view(p, *k.shape), index)  # [b, P*t, h_kv, d_qk]
+    v_all = from_ranks(gathered[:, k.numel():].view(p, *v.shape), index)  # [b, P*t, h_kv, d_v]
     return k_all, v_all
 
 
 def allgather_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: dist.ProcessGroup,
-    layout: SeqLayout,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, layout: SeqLayout,
     args: AttentionArgs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[b, s/P, h_q, d_qk]``, k/v ``[b, s/P, h_kv, d]`` (this rank's shard of ``layout``)
-    -> out ``[b, s/P, h_q, d_v]`` (dtype of q), lse ``[b, h_q, s/P]``."""
-    k_all, v_all = _gather_kv(k, v, group)
+    """q ``[b, t, h_q, d_qk]``, k/v ``[b, t, h_kv, d]`` (this rank's shard of ``layout``)
+    -> out ``[b, t, h_q, d_v]`` (dtype of q), lse ``[b, h_q, t]``."""
+    k_all, v_all = _gather_kv(k, v, group, pooled_index(layout, layout.cp_size, q.device))
     calls = allgather_calls(layout, dist.get_rank(group), args.mask)
     out, lse = new_accumulators(q, v.shape[-1])
     attend_segments(q, k_all, v_all, calls, args.softmax_scale, args.backend, out, lse)
@@ -75,16 +57,18 @@ def allgather_backward(
     """Gradients of :func:`allgather_forward` in the input dtypes; dK/dV are reduced in the
     accumulator dtype (float32; float64 for float64 inputs)."""
     p, acc = dist.get_world_size(group), lse.dtype
-    k_all, v_all = _gather_kv(k, v, group)
+    index = pooled_index(layout, p, q.device)
+    k_all, v_all = _gather_kv(k, v, group, index)
     calls = allgather_calls(layout, dist.get_rank(group), args.mask)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, s/P, h_q, d_qk]
-    dk_all = torch.zeros(k_all.shape, dtype=acc, device=q.device)  # [b, s, h_kv, d_qk]
-    dv_all = torch.zeros(v_all.shape, dtype=acc, device=q.device)  # [b, s, h_kv, d_v]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, t, h_q, d_qk]
+    dk_all = torch.zeros(k_all.shape, dtype=acc, device=q.device)  # [b, P*t, h_kv, d_qk]
+    dv_all = torch.zeros(v_all.shape, dtype=acc, device=q.device)  # [b, P*t, h_kv, d_v]
     attend_segments_backward(
         dout, q, k_all, v_all, out, lse, calls, args.softmax_scale, args.backend, dq, dk_all, dv_all
     )
+    del k_all, v_all
     per_rank = torch.cat(
-        [natural_to_ranks(dk_all, p).flatten(1), natural_to_ranks(dv_all, p).flatten(1)], dim=1
+        [to_ranks(dk_all, p, index).flatten(1), to_ranks(dv_all, p, index).flatten(1)], dim=1
     )  # [P, numel(k) + numel(v)], row j = rank j's shard
     dkv = reduce_scatter(per_rank, group)  # [numel(k) + numel(v)]
     dk, dv = unpack(dkv, (k.shape, v.shape))

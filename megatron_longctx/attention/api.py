@@ -1,16 +1,16 @@
 """``cp_attention``: context-parallel attention over Megatron's load-balanced sequence shards.
 
-Entry point of the package.  Validates the inputs (every unsupported case is a ``ValueError`` naming
-the parameter; an unavailable ``backend`` is the kernels' ``KernelUnsupported``), moves
-Megatron's ``[s, b, h, d]`` to the kernels' ``[b, s, h, d]`` and dispatches to one communication
-pattern: :mod:`.ring`, :mod:`.allgather`, :mod:`.ulysses` or :mod:`.hybrid`.
+Entry point of the package, for dense ``[s, b, h, d]`` sequences and packed ``[t, h, d]`` documents
+(THD) alike.  Validates the inputs (:mod:`.args`: every unsupported case is a ``ValueError`` naming
+the parameter; an unavailable ``backend`` is the kernels' ``KernelUnsupported``), checks once per
+configuration that every rank agrees (:mod:`.agreement`), describes the tokens as one
+:class:`.layout.SeqLayout` (a dense sequence is one document), moves them to the kernels' ``[b, t,
+h, d]`` and dispatches to one communication pattern: :mod:`.ring`, :mod:`.allgather` or
+:mod:`.a2a_ring` (Ulysses and the hybrid).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import operator
 from typing import Sequence
 
 import torch
@@ -18,23 +18,26 @@ import torch.distributed as dist
 
 from ..kernels.base import BlockMask
 from ..kernels.select import get_kernel
-from .allgather import AllGatherAttention, allgather_calls
-from .hybrid import hybrid_groups, hybrid_ranks
-from .packed_layout import Packing
-from .ring import RingAttention, local_schedule, ring_schedule
-from .sharding import SeqLayout, check_divisible
-from .ulysses import UlyssesAttention, kv_replication
+from .a2a_ring import A2ARingAttention
+from .agreement import check_ranks_agree
+from .allgather import AllGatherAttention
+from .args import (
+    ALGORITHMS,
+    AttentionArgs,
+    attention_args,
+    check_algorithm_name,
+    check_local_length,
+    check_tensors,
+    check_ulysses_size,
+    check_window,
+)
+from .hybrid_groups import a2a_and_ring_groups, check_hcp_groups
+from .layout import Packing, SeqLayout
+from .ring import RingAttention
+from .schedule import ring_schedule, schedule_pairs
+from .sharding import check_divisible
 
-ALGORITHMS = ("ring", "allgather", "ulysses", "hybrid")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionArgs:
-    """Non-tensor arguments shared by every pattern."""
-
-    softmax_scale: float  # multiplies q·k before the softmax
-    mask: BlockMask  # causal flag and sliding window, as a function of global positions
-    backend: str | None  # block kernel name for kernels.select.kernel_for; None = automatic
+__all__ = ["ALGORITHMS", "cp_attention", "cp_attention_packed", "schedule_flops"]
 
 
 def cp_attention(
@@ -71,160 +74,114 @@ def cp_attention(
     kernel (default: chosen by :mod:`megatron_longctx.kernels`).  ``cp_group`` None or of size 1:
     plain local attention.  The softmax statistics accumulate in float32 (float64 for float64).
 
-    ``packing`` (:class:`.packed_layout.Packing`): packed documents (THD): q/k/v are then
+    The first call of a configuration checks with one small collective that every rank of
+    ``cp_group`` passes the same configuration (:func:`.agreement.check_ranks_agree`); a mismatch
+    raises on every rank, naming the parameter and the ranks.
+
+    ``packing`` (:class:`.layout.Packing`): packed documents (THD): q/k/v are then
     ``[t/cp, h, d]`` in the per-document load-balanced layout and each token attends only within
-    its document; see :func:`.packed.cp_attention_packed`.
+    its document; see :func:`cp_attention_packed`.
     """
     if packing is not None:
-        from .packed import cp_attention_packed  # built on this module: imported on use
-
         return cp_attention_packed(q, k, v, cp_group, packing, algorithm=algorithm, causal=causal,
                                    softmax_scale=softmax_scale, window_size=window_size, backend=backend,
                                    ulysses_size=ulysses_size, hcp_groups=hcp_groups)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS} (Megatron's --cp-comm-type "
-                         "p2p / all_gather / a2a / a2a+p2p map to them in that order)")
-    _check_tensors(q, k, v)
-    mask = BlockMask(causal=bool(causal), window=_check_window(window_size))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    try:
-        get_kernel(backend, q.device)  # an unknown or unavailable backend fails here, before any transfer
-    except ValueError as err:
-        raise ValueError(f"backend={backend!r}: {err}") from None
-    groups = _check_algorithm(algorithm, q, k, cp_group, cp_size, ulysses_size, hcp_groups)
+    check_algorithm_name(algorithm)
+    check_tensors(q, k, v)
+    args = attention_args(q, causal, softmax_scale, window_size, backend)
+    cp_size = _cp_size(cp_group)
+    _check_backend(backend, q.device)
+    check_ulysses_size(algorithm, cp_size, q.shape[2], ulysses_size, hcp_groups)
     if cp_size > 1:
-        _check_local_length(q.shape[0], cp_size)
-        _check_same_shapes_across_ranks(q, k, v, cp_group)
-
+        check_local_length(q.shape[0], cp_size)
+    layout = SeqLayout.dense(q.shape[0] * cp_size, cp_size)
     qb, kb, vb = (x.transpose(0, 1) for x in (q, k, v))  # [s/cp, b, h, d] -> [b, s/cp, h, d]
-    args = AttentionArgs(softmax_scale=scale, mask=mask, backend=backend)
-    if cp_size == 1:
-        out = RingAttention.apply(qb, kb, vb, None, local_schedule(q.shape[0], mask), args)
-    elif algorithm == "ring":
-        schedule = ring_schedule(SeqLayout(cp_size, q.shape[0] // 2), mask)
-        out = RingAttention.apply(qb, kb, vb, cp_group, schedule, args)
-    elif algorithm == "allgather":
-        out = AllGatherAttention.apply(qb, kb, vb, cp_group, SeqLayout(cp_size, q.shape[0] // 2), args)
-    elif algorithm == "ulysses":
-        out = UlyssesAttention.apply(qb, kb, vb, cp_group, None, args)
-    else:
-        out = UlyssesAttention.apply(qb, kb, vb, *groups, args)  # all-to-all group, ring group
+    out = _attend(qb, kb, vb, cp_group, layout, args, algorithm, ulysses_size, hcp_groups)
     return out.transpose(0, 1).contiguous()  # [b, s/cp, h_q, d_v] -> [s/cp, b, h_q, d_v]
 
 
-# token dims -> (layout, what q, k and v must share)
-_LAYOUTS = {2: ("[s, b, h, d]", "agree on [s, b]"), 1: ("[t, h, d] (THD)", "hold the same tokens")}
+def cp_attention_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp_group: dist.ProcessGroup | None,
+    packing: Packing,
+    *,
+    algorithm: str,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    backend: str | None = None,
+    ulysses_size: int | None = None,
+    hcp_groups: Sequence[dist.ProcessGroup] | None = None,
+) -> torch.Tensor:
+    """Attention of this rank's packed tokens, each over its own document, sharded over ``cp_group``.
+
+    Layouts (Megatron's THD): q ``[t/cp, h_q, d_qk]``, k ``[t/cp, h_kv, d_qk]``, v ``[t/cp, h_kv,
+    d_v]`` -> out ``[t/cp, h_q, d_v]`` in q's dtype, with ``t = packing.padded_total``.  Each rank
+    holds its tokens in the per-document zigzag layout (:func:`.packed_sharding.shard_packed`; what
+    Megatron-Core's per-document ``get_batch_on_this_cp_rank`` produces).  ``packing``
+    (:class:`.layout.Packing`, e.g. ``Packing.from_packed_seq_params(packed_seq_params)``)
+    holds the *global* ``cu_seqlens`` / ``cu_seqlens_padded``, the same on every rank; each padded
+    document length must be a multiple of ``2*cp``.
+
+    Positions are document-relative: ``causal`` and ``window_size=(left, right)`` (flash-attn
+    convention, ``-1`` unbounded) apply inside each document.  ``algorithm``, ``softmax_scale``,
+    ``backend``, ``ulysses_size`` and ``hcp_groups`` as in :func:`cp_attention` (Ring Attention,
+    Liu et al. 2023; Llama 3 all-gather; DeepSpeed-Ulysses, Jacobs et al. 2023; USP, Fang & Zhao 2024).
+    Attention never crosses a document boundary; padding tokens get ``out = 0`` and zero gradients.
+    """
+    check_algorithm_name(algorithm)
+    if not isinstance(packing, Packing):
+        raise ValueError(f"packing must be a Packing (Packing.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)); "
+                         f"got {type(packing).__name__}")
+    check_tensors(q, k, v, token_dims=1)
+    if packing.total == 0:
+        raise ValueError(f"packing holds no real token (cu_seqlens={list(packing.cu_seqlens)}); skip the call")
+    cp_size = _cp_size(cp_group)
+    packing.check_cp(cp_size)
+    layout = SeqLayout(packing, cp_size)
+    if q.shape[0] != layout.local_len:
+        raise ValueError(
+            f"q.shape[0]={q.shape[0]} local tokens, but packing describes cu_seqlens_padded[-1]="
+            f"{packing.padded_total} tokens, i.e. {layout.local_len} per rank over cp={cp_size}; pass this "
+            "rank's shard of the padded packed sequence (shard_packed) and the global cu_seqlens(_padded)"
+        )
+    args = attention_args(q, causal, softmax_scale, window_size, backend)
+    _check_backend(backend, q.device)
+    check_ulysses_size(algorithm, cp_size, q.shape[1], ulysses_size, hcp_groups)
+    qb, kb, vb = (x.unsqueeze(0) for x in (q, k, v))  # [t/cp, h, d] -> [1, t/cp, h, d]
+    out = _attend(qb, kb, vb, cp_group, layout, args, algorithm, ulysses_size, hcp_groups)
+    return out.squeeze(0)  # [1, t/cp, h_q, d_v] -> [t/cp, h_q, d_v]
 
 
-def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_dims: int = 2) -> None:
-    """q, k, v agree as self-attention inputs: ``token_dims`` leading token dims ([s, b] or packed [t]),
-    then heads and head dim."""
-    (layout, same_tokens), ndim = _LAYOUTS[token_dims], token_dims + 2
-    if q.dim() != ndim or k.dim() != ndim or v.dim() != ndim:
-        raise ValueError(f"q, k, v must be {layout}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if not (q.shape[:token_dims] == k.shape[:token_dims] == v.shape[:token_dims]):
-        raise ValueError(f"q, k, v must {same_tokens} (self-attention); got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    hq, hkv = q.shape[-2], k.shape[-2]
-    if hkv != v.shape[-2]:
-        raise ValueError(f"k and v must have the same number of heads; got k {hkv}, v {v.shape[-2]}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share the head dim d_qk; got q {q.shape[-1]}, k {k.shape[-1]}")
-    if hq % hkv != 0:
-        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv}) (GQA/MQA)")
-    if token_dims == 2 and (q.shape[0] == 0 or q.shape[1] == 0):
-        raise ValueError(f"q has an empty sequence or batch: {tuple(q.shape)}")
+def _cp_size(cp_group: dist.ProcessGroup | None) -> int:
+    return 1 if cp_group is None else dist.get_world_size(cp_group)
 
 
-def _check_window(window_size) -> tuple[int, int]:
-    if window_size is None:
-        return (-1, -1)
+def _check_backend(backend: str | None, device: torch.device) -> None:
     try:
-        left, right = (operator.index(w) for w in window_size)
-    except (TypeError, ValueError):
-        left = right = -2
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size={window_size!r} must be (left, right) with ints >= 0, or -1 for unbounded")
-    return left, right
+        get_kernel(backend, device)  # an unknown or unavailable backend fails here, before any transfer
+    except ValueError as err:
+        raise ValueError(f"backend={backend!r}: {err}") from None
 
 
-def _check_local_length(s_local: int, cp_size: int) -> None:
-    if s_local % 2 != 0:
-        raise ValueError(
-            f"q.shape[0]={s_local}: each rank holds 2 of the 2*cp={2 * cp_size} chunks, so the global "
-            f"sequence length (s_global = cp*{s_local} = {cp_size * s_local}) must be divisible by "
-            f"2*cp={2 * cp_size}; pad the sequence (Megatron: --seq-length)"
-        )
-
-
-def _check_same_shapes_across_ranks(q, k, v, cp_group: dist.ProcessGroup) -> None:
-    """Every rank must hold the same local shapes (checked where it costs no device sync: gloo)."""
-    if dist.get_backend(cp_group) != "gloo":
-        return
-    mine = torch.tensor([*q.shape, *k.shape, *v.shape], dtype=torch.int64)
-    bounds = torch.stack([mine, -mine])  # [2, 12]: max and -min after the reduction
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=cp_group)
-    if not torch.equal(bounds[0], -bounds[1]):
-        raise ValueError(
-            f"q/k/v shapes differ across the ranks of cp_group (this rank: q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}): every rank must hold s_global/cp tokens, with s_global "
-            "divisible by 2*cp"
-        )
-
-
-def _check_algorithm(algorithm, q, k, cp_group, cp_size, ulysses_size, hcp_groups) -> tuple:
-    """Validate the algorithm's own parameters; returns the hybrid's (a2a_group, ring_group)."""
-    hq, hkv = q.shape[2], k.shape[2]
-    if algorithm in ("ring", "allgather") and (ulysses_size is not None or hcp_groups is not None):
-        raise ValueError(f"ulysses_size / hcp_groups apply to algorithm='hybrid' (or 'ulysses'), "
-                         f"not {algorithm!r}")
-    if algorithm == "ulysses":
-        if hcp_groups is not None or ulysses_size not in (None, cp_size):
-            raise ValueError(f"algorithm='ulysses' spans the whole cp_group (size {cp_size}); got ulysses_size="
-                             f"{ulysses_size}, hcp_groups={hcp_groups}: use algorithm='hybrid' for a smaller "
-                             "a2a group")
-        if cp_size > 1:
-            kv_replication(hq, hkv, cp_size)  # raises the ValueError for hq % cp != 0
-    if algorithm != "hybrid" or cp_size == 1:
-        return ()
-    if hcp_groups is not None:
-        return _check_hcp_groups(hcp_groups, cp_group, cp_size, ulysses_size, hq)
-    if ulysses_size is None:
-        raise ValueError("algorithm='hybrid' needs ulysses_size= (the all-to-all group size) or hcp_groups=")
-    if not isinstance(ulysses_size, int) or ulysses_size < 1 or cp_size % ulysses_size != 0:
-        raise ValueError(f"ulysses_size={ulysses_size} must be a positive divisor of the cp size {cp_size}")
-    if hq % ulysses_size != 0:
-        raise ValueError(f"ulysses_size={ulysses_size} must divide the query heads ({hq}); choose a divisor of "
-                         f"both {hq} and {cp_size}, or use algorithm='ring'")
-    return hybrid_groups(cp_group, ulysses_size)
-
-
-def _check_hcp_groups(hcp_groups, cp_group, cp_size, ulysses_size, hq) -> tuple:
-    if len(hcp_groups) != 2:
-        raise ValueError(f"hcp_groups must be (a2a_group, ring_group), inner all-to-all group first; "
-                         f"got {len(hcp_groups)} groups")
-    a2a, ring = hcp_groups
-    u, r = dist.get_world_size(a2a), dist.get_world_size(ring)
-    if ulysses_size not in (None, u):
-        raise ValueError(f"ulysses_size={ulysses_size} disagrees with the a2a group in hcp_groups (size {u})")
-    expected = hybrid_ranks(dist.get_process_group_ranks(cp_group), dist.get_rank(cp_group), u)
-    got = (dist.get_process_group_ranks(a2a), dist.get_process_group_ranks(ring))
-    cp_rank = dist.get_rank(cp_group)
-    positions = (dist.get_rank(a2a), dist.get_rank(ring)) == (cp_rank % u, cp_rank // u)
-    if u * r != cp_size or [sorted(g) for g in got] != [sorted(g) for g in expected] or not positions:
-        raise ValueError(
-            f"hcp_groups (global ranks {got[0]} x {got[1]}) must split cp_group (size {cp_size}) as Megatron's "
-            f"hierarchical_context_parallel_sizes do, inner all-to-all group first: expected {expected[0]} "
-            f"x {expected[1]}"
-        )
-    if hq % u != 0:
-        raise ValueError(f"the a2a group of hcp_groups (size {u}) must divide the query heads ({hq})")
-    return a2a, ring
+def _attend(q, k, v, cp_group, layout: SeqLayout, args: AttentionArgs, algorithm: str, ulysses_size,
+            hcp_groups) -> torch.Tensor:
+    """q/k/v ``[b, t, h, d]`` (this rank's shard of ``layout``) -> out ``[b, t, h_q, d_v]``: the
+    cross-rank agreement check, the groups, then one communication pattern."""
+    cp_size = layout.cp_size
+    if cp_size > 1 and algorithm == "hybrid" and hcp_groups is not None:
+        check_hcp_groups(hcp_groups, cp_group, cp_size, ulysses_size, q.shape[2])  # before any collective
+    if cp_size > 1:
+        check_ranks_agree(cp_group, algorithm=algorithm, args=args, q=q, k=k, v=v, packing=layout.packing,
+                          ulysses_size=ulysses_size, hcp=hcp_groups is not None)
+    a2a_group, ring_group = a2a_and_ring_groups(algorithm, cp_group, cp_size, ulysses_size, hcp_groups, q.shape[2])
+    if algorithm == "allgather" and cp_size > 1:
+        return AllGatherAttention.apply(q, k, v, cp_group, layout, args)
+    if a2a_group is None:  # the ring over cp_group (one rank: local attention)
+        return RingAttention.apply(q, k, v, ring_group, ring_schedule(layout, args.mask), args)
+    return A2ARingAttention.apply(q, k, v, a2a_group, ring_group, layout, args)
 
 
 def schedule_flops(
@@ -248,19 +205,8 @@ def schedule_flops(
     and all-gather only).  ``heads`` are query heads.  Pure function: no process group needed.
     """
     d_v = d_qk if d_v is None else d_v
-    mask = BlockMask(causal=causal, window=_check_window(window_size))
+    mask = BlockMask(causal=causal, window=check_window(window_size))
     check_divisible(seq_len, cp_size, "seq_len")
-    layout = SeqLayout(cp_size, seq_len // (2 * cp_size), zigzag=zigzag)
-    if algorithm == "ring":
-        pairs = [ring_schedule(layout, mask).pairs(r) * heads for r in range(cp_size)]
-    elif algorithm == "allgather":
-        pairs = [sum(c.pairs for c in allgather_calls(layout, r, mask)) * heads for r in range(cp_size)]
-    elif algorithm == "ulysses":
-        pairs = [local_schedule(seq_len, mask).pairs(0) * heads // cp_size] * cp_size
-    elif algorithm == "hybrid":
-        u = ulysses_size or 1
-        ring = ring_schedule(SeqLayout(cp_size // u, seq_len // (2 * cp_size // u), zigzag=zigzag), mask)
-        pairs = [ring.pairs(r // u) * heads // u for r in range(cp_size)]
-    else:
-        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
-    return [2 * (d_qk + d_v) * batch * p for p in pairs]
+    check_algorithm_name(algorithm)
+    pairs, heads_divisor = schedule_pairs(algorithm, SeqLayout.dense(seq_len, cp_size, zigzag), mask, ulysses_size)
+    return [2 * (d_qk + d_v) * batch * (p * heads // heads_divisor) for p in pairs]

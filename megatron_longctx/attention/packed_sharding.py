@@ -1,6 +1,6 @@
 """Shard a packed (THD) batch over the context-parallel ranks, and gather it back.
 
-Per-document zigzag (:mod:`.packed_layout`): rank ``r`` keeps chunks ``r`` and ``2cp-1-r`` of every
+Per-document zigzag (:mod:`.layout`): rank ``r`` keeps chunks ``r`` and ``2cp-1-r`` of every
 document's padded slot, the split of Megatron-Core's per-document THD balancing
 (``get_batch_on_this_cp_rank`` with ``cu_seqlens``; Transformer Engine's
 ``thd_get_partitioned_indices``), computed here on the host without Transformer Engine.
@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .packed_layout import Packing, PackedLayout, partition_index
+from .layout import Packing, SeqLayout, partition_index
 
 
 def _check_len(x: torch.Tensor, seq_dim: int, expected: int, name: str, what: str) -> None:
@@ -68,14 +68,14 @@ def shard_packed(x: torch.Tensor, packing: Packing, cp_rank: int, cp_size: int, 
 
     ``x`` ``[..., cu_seqlens_padded[-1], ...]`` -> ``[..., cu_seqlens_padded[-1]/cp, ...]``.
     """
-    layout = PackedLayout(packing, cp_size)
+    layout = SeqLayout(packing, cp_size)
     _check_len(x, seq_dim, packing.padded_total, "x", "cu_seqlens_padded[-1]")
     return x.index_select(seq_dim, partition_index(layout, cp_rank, x.device))
 
 
 def gather_packed_shards(shards: list[torch.Tensor], packing: Packing, seq_dim: int = 0) -> torch.Tensor:
     """Inverse of :func:`shard_packed` given every rank's shard (rank order) -> the padded packed tensor."""
-    layout = PackedLayout(packing, len(shards))
+    layout = SeqLayout(packing, len(shards))
     for r, s in enumerate(shards):
         _check_len(s, seq_dim, layout.local_len, f"shards[{r}]", "cu_seqlens_padded[-1]/cp")
     index = torch.cat([partition_index(layout, r) for r in range(len(shards))]).to(shards[0].device)

@@ -7,76 +7,30 @@ current block is computed, so communication overlaps compute.  In backward the K
 more and the dK/dV accumulated for each shard follow it from holder to holder, then return to
 their owner.
 
-The schedule is a pure function of the layout and the mask (:func:`ring_schedule`): an offset no
-rank has a visible block at is skipped altogether, and the next transfer jumps over it (a small
-sliding window on the zigzag layout needs offsets ``{0, 1, P-1}`` only: the neighbours of each
-chunk live on ranks ``r-1`` and ``r+1``).  A ring of one rank (:func:`local_schedule`) is plain
-local attention: ``cp_group`` of size 1 and the inner step of Ulysses run through the same loop.
-Layout inside: ``[b, s, h, d]``.
+The schedule is a pure function of the layout and the mask (:func:`.schedule.ring_schedule`, dense
+or packed alike): an offset no rank has a visible block at is skipped altogether, and the next
+transfer jumps over it.  A ring of one rank is plain local attention (``cp_group`` of size 1, the
+inner step of Ulysses): no message is packed and, when one call covers the whole block, its kernel
+result is the answer (no accumulator, no merge).  Layout inside: ``[b, s, h, d]``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-from ..kernels.base import BlockMask
+from .args import AttentionArgs
 from .comm import RingComm, pack, unpack
-from .segments import BlockCall, Segment, attend_segments, attend_segments_backward, new_accumulators, plan_blocks
-from .sharding import SeqLayout
-
-if TYPE_CHECKING:
-    from .api import AttentionArgs
-
-
-@dataclasses.dataclass(frozen=True)
-class RingSchedule:
-    """The steps a ring runs.
-
-    ``offsets[i]``: at step ``i`` every rank ``r`` holds the K/V of rank ``r - offsets[i]``
-    (``offsets[0] == 0``, increasing).  ``calls[i][r]``: rank ``r``'s kernel calls at step ``i``.
-    """
-
-    layout: object  # what the schedule was computed from (a SeqLayout here; packed layouts elsewhere)
-    offsets: tuple[int, ...]
-    calls: tuple[tuple[tuple[BlockCall, ...], ...], ...]
-
-    @property
-    def transfers(self) -> int:
-        """K/V messages each rank sends in forward."""
-        return len(self.offsets) - 1
-
-    def hop(self, i: int) -> int:
-        """Distance the K/V move after step ``i`` (to ``rank + hop``)."""
-        return self.offsets[i + 1] - self.offsets[i]
-
-    def pairs(self, rank: int) -> int:
-        """Visible (query, key) pairs rank ``rank`` computes over the whole ring (per batch and head)."""
-        return sum(c.pairs for step in self.calls for c in step[rank])
-
-
-@functools.lru_cache(maxsize=256)
-def ring_schedule(layout: SeqLayout, mask: BlockMask) -> RingSchedule:
-    """Every rank's kernel calls at every useful ring offset (deterministic: all ranks agree)."""
-    p = layout.cp_size
-    offsets, calls = [], []
-    for t in range(p):
-        step = tuple(plan_blocks(layout.segments(r), layout.segments((r - t) % p), mask) for r in range(p))
-        if t == 0 or any(step):
-            offsets.append(t)
-            calls.append(step)
-    return RingSchedule(layout, tuple(offsets), tuple(calls))
-
-
-@functools.lru_cache(maxsize=256)
-def local_schedule(seq_len: int, mask: BlockMask) -> RingSchedule:
-    """A ring of one rank over ``seq_len`` tokens in natural order: plain local attention, no transfer."""
-    whole = (Segment(0, seq_len),)
-    return RingSchedule(None, (0,), ((plan_blocks(whole, whole, mask),),))
+from .schedule import RingSchedule
+from .segments import (
+    attend_first,
+    attend_local,
+    attend_local_backward,
+    attend_segments,
+    attend_segments_backward,
+    attend_whole_backward,
+    whole,
+)
 
 
 def _ring_rank(group: dist.ProcessGroup | None, schedule: RingSchedule) -> int:
@@ -100,8 +54,10 @@ def ring_forward(
     (dtype of q; 0 on rows no call touches), lse ``[b, h_q, s/P]``.  ``group`` may be None for a
     schedule without transfers."""
     rank = _ring_rank(group, schedule)
-    out, lse = new_accumulators(q, v.shape[-1])
-    comm = RingComm(group) if schedule.transfers else None
+    if not schedule.transfers:
+        return attend_local(q, k, v, schedule.calls[0][rank], args.softmax_scale, args.backend)
+    out = lse = None
+    comm = RingComm(group)
     kv = pack([k, v])  # [numel(k) + numel(v)]
     for i in range(len(schedule.offsets)):
         last = i + 1 == len(schedule.offsets)
@@ -109,7 +65,11 @@ def ring_forward(
             next_kv = comm.send_recv(kv, schedule.hop(i))
             comm.commit()
         k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - offsets[i])
-        attend_segments(q, k_i, v_i, schedule.calls[i][rank], args.softmax_scale, args.backend, out, lse)
+        calls = schedule.calls[i][rank]
+        if out is None:  # step 0: the accumulators start as this step's result
+            out, lse = attend_first(q, k_i, v_i, calls, args.softmax_scale, args.backend)
+        else:
+            attend_segments(q, k_i, v_i, calls, args.softmax_scale, args.backend, out, lse)
         if not last:
             comm.wait()
             kv = next_kv
@@ -136,10 +96,12 @@ def ring_backward(
     accumulator dtype (float32; float64 for float64 inputs).
     """
     rank = _ring_rank(group, schedule)
-    offsets, acc = schedule.offsets, lse.dtype
-    if schedule.transfers:
-        kv_comm, dkv_comm = RingComm(group, tag=0), RingComm(group, tag=1)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, s/P, h_q, d_qk]
+    if not schedule.transfers:
+        return attend_local_backward(dout, q, k, v, out, lse, schedule.calls[0][rank], args.softmax_scale,
+                                     args.backend)
+    offsets = schedule.offsets
+    kv_comm, dkv_comm = RingComm(group, tag=0), RingComm(group, tag=1)
+    dq = None  # [b, s/P, h_q, d_qk] in the accumulator dtype, from step 0's gradients
     kv = pack([k, v])  # [numel(k) + numel(v)]
     own = incoming = None
     for i, t in enumerate(offsets):
@@ -148,11 +110,7 @@ def ring_backward(
             next_kv = kv_comm.send_recv(kv, schedule.hop(i))
             kv_comm.commit()
         k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - t)
-        dkv = torch.zeros(kv.numel(), dtype=acc, device=kv.device)  # this step's dK/dV, flat
-        dk_i, dv_i = unpack(dkv, (k.shape, v.shape))
-        attend_segments_backward(
-            dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args.softmax_scale, args.backend, dq, dk_i, dv_i
-        )
+        dq, dkv = _step_backward(dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args, dq)
         if i == 0:
             own = dkv
         else:
@@ -169,6 +127,24 @@ def ring_backward(
         own += incoming  # every other rank's contribution to this rank's dK/dV
     dk, dv = unpack(own, (k.shape, v.shape))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _step_backward(dout, q, k_i, v_i, out, lse, calls, args: AttentionArgs, dq):
+    """One ring step's gradients: ``dq`` accumulated (created on step 0, when None) and this step's dK/dV
+    flat ``[numel(k) + numel(v)]``, both in the accumulator dtype.  One call over the whole block
+    takes the kernel's gradients as they are (no zero-filled buffer to add them into)."""
+    acc = lse.dtype
+    if whole(calls, q.shape[1], k_i.shape[1]):
+        dq_i, dk_i, dv_i = attend_whole_backward(dout, q, k_i, v_i, out, lse, calls[0], args.softmax_scale,
+                                                 args.backend)
+        dq = dq_i.to(acc) if dq is None else dq.add_(dq_i)
+        return dq, pack([dk_i, dv_i], dtype=acc)
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dkv = torch.zeros(k_i.numel() + v_i.numel(), dtype=acc, device=q.device)  # this step's dK/dV, flat
+    dk_i, dv_i = unpack(dkv, (k_i.shape, v_i.shape))
+    attend_segments_backward(dout, q, k_i, v_i, out, lse, calls, args.softmax_scale, args.backend, dq, dk_i, dv_i)
+    return dq, dkv
 
 
 class RingAttention(torch.autograd.Function):

@@ -2,16 +2,16 @@
 
 A rank's tokens are a few contiguous runs of global positions, its *segments*: under Megatron's
 load-balanced layout rank ``r`` of ``P`` holds ``[(r*c, c), ((2P-1-r)*c, c)]`` (``c`` = chunk
-length), concatenated in that order in memory.  :func:`plan_blocks` turns one (query segments,
+length), concatenated in that order in memory.  :func:`schedule_blocks` turns one (query segments,
 key segments) pair into a short list of kernel calls: every visible (query segment, key segment)
 block is computed exactly once, blocks outside the mask are skipped, and neighbouring blocks are
 coalesced into one call whenever a single mask over the rectangle they span reproduces the true
 mask of each block (so one step of the zigzag ring costs one kernel call, as in
-ring-flash-attention's zigzag variant, Zhu 2024).  :func:`attend_segments` runs the plan and folds
+ring-flash-attention's zigzag variant, Zhu 2024).  :func:`attend_segments` runs the calls and folds
 the partial results with the online softmax (FlashAttention, Dao et al. 2022); its backward runs
-the same plan.
+the same schedule.
 
-The plan is a pure function of positions, so every rank can compute every other rank's plan (the
+The schedule is a pure function of positions, so every rank can compute every other rank's (the
 ring schedule and the benchmark's FLOP counts rely on that).  Layout inside: ``[b, s, h, d]``.
 """
 
@@ -128,7 +128,7 @@ def _trim(mask: BlockMask, q_lo, q_hi, q_start, k_lo, k_hi, k_start) -> BlockCal
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_blocks(q_segs: Segments, k_segs: Segments, mask: BlockMask) -> tuple[BlockCall, ...]:
+def schedule_blocks(q_segs: Segments, k_segs: Segments, mask: BlockMask) -> tuple[BlockCall, ...]:
     """Kernel calls that compute attention of ``q_segs`` over ``k_segs`` under ``mask``.
 
     Greedy cover of the visible blocks by rectangles (contiguous runs of query segments x
@@ -237,3 +237,74 @@ def attend_segments_backward(
         dq_acc[:, rows] += dq
         dk_acc[:, cols] += dk
         dv_acc[:, cols] += dv
+
+
+def whole(calls: tuple[BlockCall, ...], s_q: int, s_k: int) -> bool:
+    """One call over every query row and key row: its kernel result is the whole answer."""
+    return len(calls) == 1 and (calls[0].q_lo, calls[0].q_hi, calls[0].k_lo, calls[0].k_hi) == (0, s_q, 0, s_k)
+
+
+def _block_args(c: BlockCall, softmax_scale: float) -> BlockArgs:
+    return BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
+
+
+def attend_whole(q, k, v, call: BlockCall, softmax_scale: float, backend: str | None):
+    """The kernel's (out in q's dtype, lse) for one call spanning q and k/v entirely."""
+    args = _block_args(call, softmax_scale)
+    return kernel_for(q, k, v, args, backend).forward(q, k, v, args)
+
+
+def attend_whole_backward(dout, q, k, v, out, lse, call: BlockCall, softmax_scale: float, backend: str | None):
+    """The kernel's (dq, dk, dv), in the input dtypes, for one call spanning q and k/v entirely."""
+    args = _block_args(call, softmax_scale)
+    return kernel_for(q, k, v, args, backend).backward(dout, q, k, v, out, lse.contiguous(), args)
+
+
+def attend_first(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[BlockCall, ...], softmax_scale: float,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh accumulators holding the result of ``calls``: out ``[b, s_q, h_q, d_v]``, lse ``[b, h_q, s_q]``.
+
+    A single call covering every row and key is the accumulator itself (merging one partial into
+    zeros and ``-inf`` is the identity): no zero-filled buffers, no merge.
+    """
+    acc = _accumulator_dtype(q)
+    if whole(calls, q.shape[1], k.shape[1]):
+        out, lse = attend_whole(q, k, v, calls[0], softmax_scale, backend)
+        return out.to(acc), lse.to(acc)
+    out, lse = new_accumulators(q, v.shape[-1])
+    attend_segments(q, k, v, calls, softmax_scale, backend, out, lse)
+    return out, lse
+
+
+def attend_local(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[BlockCall, ...], softmax_scale: float,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local attention of q ``[b, s_q, h_q, d_qk]`` over k/v ``[b, s_k, h_kv, d]`` by ``calls`` -> out
+    ``[b, s_q, h_q, d_v]`` (q's dtype), lse ``[b, h_q, s_q]`` (accumulator dtype).
+
+    A single call covering the whole block returns the kernel's own result: no float32 accumulator
+    and no merge.
+    """
+    if whole(calls, q.shape[1], k.shape[1]):
+        out, lse = attend_whole(q, k, v, calls[0], softmax_scale, backend)
+        return out.contiguous(), lse.to(_accumulator_dtype(q))
+    out, lse = attend_first(q, k, v, calls, softmax_scale, backend)
+    return out.to(q.dtype), lse
+
+
+def attend_local_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    calls: tuple[BlockCall, ...], softmax_scale: float, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`attend_local` in the input dtypes (one whole call: the kernel's, held once)."""
+    if whole(calls, q.shape[1], k.shape[1]):
+        return attend_whole_backward(dout, q, k, v, out, lse, calls[0], softmax_scale, backend)
+    acc = lse.dtype
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, s_q, h_q, d_qk]
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # [b, s_k, h_kv, d_qk]
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)  # [b, s_k, h_kv, d_v]
+    attend_segments_backward(dout, q, k, v, out, lse, calls, softmax_scale, backend, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

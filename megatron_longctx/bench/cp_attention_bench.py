@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from megatron_longctx.attention import cp_attention, schedule_flops, shard_sequence
 from megatron_longctx.attention.comm import STATS
-from megatron_longctx.attention.ring import ring_schedule
-from megatron_longctx.attention.sharding import SeqLayout
+from megatron_longctx.attention.schedule import ring_schedule
+from megatron_longctx.attention.layout import dense_layout as SeqLayout
 from megatron_longctx.kernels.base import BlockMask
 
 # ---------------------------------------------------------------------------------------- balance

@@ -21,8 +21,8 @@ import argparse
 import json
 import random
 
-from megatron_longctx.attention.packed_layout import Packing, PackedLayout
-from megatron_longctx.attention.packed_plan import packed_ring_schedule
+from megatron_longctx.attention.layout import Packing, SeqLayout as PackedLayout
+from megatron_longctx.attention.schedule import ring_schedule as packed_ring_schedule
 from megatron_longctx.attention.segments import visible_pairs
 from megatron_longctx.kernels.base import BlockMask
 

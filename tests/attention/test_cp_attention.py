@@ -2,8 +2,8 @@
 
 Each rank builds the same global q/k/v, takes its shard with ``shard_sequence``, runs ``cp_attention``
 forward and backward, all-gathers output and gradients with ``unshard_sequence`` and compares them
-with plain autograd attention over the whole sequence in float64.  The cases of one world size run
-in one ``run_ranks`` call.
+with plain autograd attention over the whole sequence in float64.  Each case is its own test
+(the ranks are spawned once per world size and reused).
 
 Tolerances (atol = rtol unless said): float64 1e-10 (only the order of the sums differs); float32
 1e-5 (measured <= 1e-6); bfloat16 (inputs rounded to bfloat16, oracle in float64 on the rounded
@@ -23,6 +23,7 @@ from torch.testing import assert_close
 
 from megatron_longctx.attention import cp_attention, shard_sequence, unshard_sequence
 from tests.dist import run_ranks
+from tests.oracle import sequence_attention
 
 TOL = {torch.float64: (1e-10, 1e-10, 1e-10), torch.float32: (1e-5, 1e-5, 1e-5), torch.bfloat16: (2e-2, 5e-2, 2e-2)}
 
@@ -41,24 +42,6 @@ class Case:
     chunk: int = 3
     ulysses_size: int | None = None
     backend: str | None = None  # block kernel; None = automatic (cpu_flash on CPU)
-
-
-def naive_attention(q, k, v, causal, window, scale):
-    """Plain attention in float64 over [s, b, h, d]; the mask written out from its definition."""
-    s, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
-    kx = k.repeat_interleave(hq // hkv, dim=2)
-    vx = v.repeat_interleave(hq // hkv, dim=2)
-    scores = torch.einsum("qbhd,kbhd->bhqk", q, kx) * scale
-    dist_qk = torch.arange(s)[:, None] - torch.arange(s)[None, :]  # query position - key position
-    left, right = window if window is not None else (-1, -1)
-    right = 0 if causal else right
-    visible = torch.ones(s, s, dtype=torch.bool)
-    if left >= 0:
-        visible &= dist_qk <= left
-    if right >= 0:
-        visible &= -dist_qk <= right
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("bhqk,kbhd->qbhd", probs, vx)
 
 
 def _inputs(case: Case, cp: int, seed: int):
@@ -82,7 +65,7 @@ def _check_case(case: Case, seed: int, group=None, hcp_groups=None):
     scale = case.d_qk ** -0.5
 
     ref_in = [t.to(torch.float64, copy=True).requires_grad_() for t in (q, k, v)]
-    ref_out = naive_attention(*ref_in, case.causal, case.window, scale)
+    ref_out = sequence_attention(*ref_in, case.causal, case.window, scale)
     ref_grads = torch.autograd.grad(ref_out, ref_in, dout.to(torch.float64))
 
     local = [shard_sequence(t, rank, cp, seq_dim=0).requires_grad_() for t in (q, k, v)]
@@ -135,10 +118,18 @@ def _run_cases(cases: list[Case]) -> int:
     return len(cases)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_matches_float64_reference(world_size):
-    cases = _cases(world_size)
-    assert run_ranks(world_size, _run_cases, cases) == [len(cases)] * world_size
+def case_id(case: Case) -> str:
+    """A readable test id: algorithm, dtype, mask, heads and dims."""
+    algorithm = case.algorithm + (f"{case.ulysses_size}" if case.ulysses_size else "")
+    mask = ("causal" if case.causal else "full") + (f"-w{case.window[0]}.{case.window[1]}" if case.window else "")
+    return f"{algorithm}-{str(case.dtype).removeprefix('torch.')}-{mask}-h{case.hq}.{case.hkv}-d{case.d_qk}.{case.d_v}"
+
+
+# One test per (world size, case): a failing case does not hide the others.
+@pytest.mark.parametrize("world_size,seed,case", [(w, i, c) for w in (2, 4) for i, c in enumerate(_cases(w))],
+                         ids=[f"cp{w}-{i}-{case_id(c)}" for w in (2, 4) for i, c in enumerate(_cases(w))])
+def test_matches_float64_reference(world_size, seed, case):
+    run_ranks(world_size, _check_case, case, seed)
 
 
 def _uneven_heads():
@@ -182,7 +173,7 @@ def test_without_process_group(case):
     out = cp_attention(*leaves, None, algorithm=case.algorithm, causal=case.causal, window_size=case.window)
     out.backward(dout)
     ref_in = [t.to(torch.float64, copy=True).requires_grad_() for t in (q, k, v)]
-    ref_out = naive_attention(*ref_in, case.causal, case.window, case.d_qk ** -0.5)
+    ref_out = sequence_attention(*ref_in, case.causal, case.window, case.d_qk ** -0.5)
     ref_grads = torch.autograd.grad(ref_out, ref_in, dout.to(torch.float64))
     atol_out, atol_grad, rtol = TOL[case.dtype]
     assert_close(out.double(), ref_out, atol=atol_out, rtol=rtol)

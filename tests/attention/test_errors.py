@@ -61,26 +61,31 @@ def test_shard_sequence_errors():
         shard_sequence(torch.zeros(8, 2), 2, 2, seq_dim=0)
 
 
-def _distributed_errors():
+DISTRIBUTED_ERRORS = [  # (keyword arguments, _qkv arguments, expected message fragment) on 2 ranks
+    ({"algorithm": "ring"}, {"s": 3}, r"q.shape\[0\]=3.*divisible by 2\*cp=4"),
+    ({"algorithm": "ulysses"}, {"hq": 3, "hkv": 1}, r"query heads \(3\).*algorithm='ring'.*'hybrid'"),
+    ({"algorithm": "hybrid", "ulysses_size": 3}, {}, "ulysses_size=3 must be a positive divisor"),
+    ({"algorithm": "hybrid"}, {}, "needs ulysses_size="),
+    ({"algorithm": "hybrid", "ulysses_size": 2}, {"hq": 3, "hkv": 1}, r"ulysses_size=2 must divide the query heads \(3\)"),
+    ({"algorithm": "ulysses", "ulysses_size": 1}, {}, "use algorithm='hybrid'"),
+    ({"algorithm": "allgather", "hcp_groups": 2}, {}, "hcp_groups"),  # hcp_groups: that many WORLD groups
+    ({"algorithm": "hybrid", "hcp_groups": 1}, {}, r"hcp_groups must be \(a2a_group, ring_group\)"),
+    # Local lengths that differ between ranks (each is even, so only the cross-rank check sees it).
+    ({"algorithm": "ring"}, {"s": "4 + 2 * rank"}, "differ across the ranks of cp_group"),
+]
+
+
+def _distributed_error(kwargs, shape, match):
     world, rank = dist.group.WORLD, dist.get_rank()
-    cases = [
-        ({"algorithm": "ring"}, _qkv(s=3), r"q.shape\[0\]=3.*divisible by 2\*cp=4"),
-        ({"algorithm": "ulysses"}, _qkv(hq=3, hkv=1), r"query heads \(3\).*algorithm='ring'.*'hybrid'"),
-        ({"algorithm": "hybrid", "ulysses_size": 3}, _qkv(), "ulysses_size=3 must be a positive divisor"),
-        ({"algorithm": "hybrid"}, _qkv(), "needs ulysses_size="),
-        ({"algorithm": "hybrid", "ulysses_size": 2}, _qkv(hq=3, hkv=1),
-         r"ulysses_size=2 must divide the query heads \(3\)"),
-        ({"algorithm": "ulysses", "ulysses_size": 1}, _qkv(), "use algorithm='hybrid'"),
-        ({"algorithm": "allgather", "hcp_groups": (world, world)}, _qkv(), "hcp_groups"),
-        ({"algorithm": "hybrid", "hcp_groups": (world,)}, _qkv(), r"hcp_groups must be \(a2a_group, ring_group\)"),
-        # Local lengths that differ between ranks (each is even, so only the cross-rank check sees it).
-        ({"algorithm": "ring"}, _qkv(s=4 + 2 * rank), "differ across the ranks of cp_group"),
-    ]
-    for kwargs, tensors, match in cases:
-        with pytest.raises(ValueError, match=match):
-            cp_attention(*tensors, world, **kwargs)
-    return len(cases)
+    if "hcp_groups" in kwargs:
+        kwargs = {**kwargs, "hcp_groups": (world,) * kwargs["hcp_groups"]}
+    if shape.get("s") == "4 + 2 * rank":
+        shape = {**shape, "s": 4 + 2 * rank}
+    with pytest.raises(ValueError, match=match):
+        cp_attention(*_qkv(**shape), world, **kwargs)
+    return True
 
 
-def test_bad_inputs_with_group():
-    assert run_ranks(2, _distributed_errors) == [9, 9]
+@pytest.mark.parametrize("kwargs,shape,match", DISTRIBUTED_ERRORS)
+def test_bad_inputs_with_group(kwargs, shape, match):
+    assert run_ranks(2, _distributed_error, kwargs, shape, match) == [True, True]

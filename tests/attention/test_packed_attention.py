@@ -4,8 +4,8 @@ Each rank builds the same padded packed q/k/v, takes its per-document zigzag sha
 ``shard_packed``, runs forward and backward, gathers output and gradients with ``unshard_packed`` and
 compares them with plain autograd attention computed document by document on the unsharded sequence
 (padding rows: out 0, grads 0).  Every algorithm, causal / non-causal / sliding windows, GQA/MQA,
-documents of length 1, lengths not divisible by 2*cp and one document spanning every rank.  The
-cases of one world size run in one ``run_ranks`` call.
+documents of length 1, lengths not divisible by 2*cp and one document spanning every rank.  Each
+case is its own test (the ranks are spawned once per world size and reused).
 
 Tolerances (atol out, atol grads, rtol): float64 1e-10 (only the order of the sums differs), float32
 1e-5, bfloat16 2e-2 / 5e-2 / 2e-2 (inputs rounded to bfloat16 for the oracle too; each block returns
@@ -31,6 +31,7 @@ from megatron_longctx.attention.packed import (
     unshard_packed,
 )
 from tests.dist import run_ranks
+from tests.oracle import document_attention
 
 TOL = {torch.float64: (1e-10, 1e-10, 1e-10), torch.float32: (1e-5, 1e-5, 1e-5), torch.bfloat16: (2e-2, 5e-2, 2e-2)}
 
@@ -47,28 +48,6 @@ class Case:
     d_v: int = 8
     dtype: torch.dtype = torch.float64
     ulysses_size: int | None = None
-
-
-def document_attention(q, k, v, packing: Packing, causal, window, scale):
-    """Float64 attention of each document over itself on the padded packed [t, h, d]; padding rows 0."""
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    left, right = window if window is not None else (-1, -1)
-    right = 0 if causal else right
-    for start, n in zip(packing.cu_seqlens_padded, packing.lengths):
-        rows = slice(start, start + n)
-        g = q.shape[1] // k.shape[1]
-        kx, vx = k[rows].repeat_interleave(g, dim=1), v[rows].repeat_interleave(g, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[rows], kx) * scale
-        gap = torch.arange(n)[:, None] - torch.arange(n)[None, :]  # query position - key position
-        visible = torch.ones(n, n, dtype=torch.bool)
-        if left >= 0:
-            visible &= gap <= left
-        if right >= 0:
-            visible &= -gap <= right
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        probs = torch.nan_to_num(probs)  # a row that sees nothing (zero-width window) gives 0
-        out = out.index_put((torch.arange(start, start + n),), torch.einsum("hqk,khd->qhd", probs, vx))
-    return out
 
 
 def _check_case(case: Case, seed: int, group=None, hcp_groups=None) -> None:
@@ -140,12 +119,6 @@ def _cases(cp: int) -> list[Case]:
     return cases
 
 
-def _run_cases(cases: list[Case]) -> int:
-    for i, case in enumerate(cases):
-        _check_case(case, seed=i)
-    return len(cases)
-
-
 def _explicit_groups_and_errors() -> bool:
     """Hybrid over Megatron-style hierarchical groups; distributed input errors on every rank."""
     rank = dist.get_rank()
@@ -167,10 +140,18 @@ def _explicit_groups_and_errors() -> bool:
     return True
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_packed_matches_per_document_reference(world_size):
-    cases = _cases(world_size)
-    assert run_ranks(world_size, _run_cases, cases) == [len(cases)] * world_size
+def case_id(case: Case) -> str:
+    algorithm = case.algorithm + (f"{case.ulysses_size}" if case.ulysses_size else "")
+    mask = ("causal" if case.causal else "full") + (f"-w{case.window[0]}.{case.window[1]}" if case.window else "")
+    docs = ".".join(map(str, case.lengths))
+    return f"{algorithm}-{str(case.dtype).removeprefix('torch.')}-{mask}-h{case.hq}.{case.hkv}-docs{docs}"
+
+
+# One test per (world size, case): a failing case does not hide the others.
+@pytest.mark.parametrize("world_size,seed,case", [(w, i, c) for w in (2, 4) for i, c in enumerate(_cases(w))],
+                         ids=[f"cp{w}-{i}-{case_id(c)}" for w in (2, 4) for i, c in enumerate(_cases(w))])
+def test_packed_matches_per_document_reference(world_size, seed, case):
+    run_ranks(world_size, _check_case, case, seed)
 
 
 def test_packed_hybrid_with_explicit_groups_and_errors():

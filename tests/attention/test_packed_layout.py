@@ -1,7 +1,7 @@
-"""Packed (THD) layout, sharding and planning: single process, no ranks.
+"""Packed (THD) layout, sharding and block schedules: single process, no ranks.
 
 The per-document split is checked against Transformer Engine's ``thd_get_partitioned_indices`` rule
-(written out here from its definition) and against Megatron-Core's own THD RoPE slicing; the plans
+(written out here from its definition) and against Megatron-Core's own THD RoPE slicing; the schedules
 against brute-force pair counts; the bad inputs against their ValueErrors.
 """
 
@@ -28,9 +28,9 @@ from megatron_longctx.attention.packed import (
     shard_packed,
     unpad_packed,
 )
-from megatron_longctx.attention.packed_plan import packed_ring_schedule
+from megatron_longctx.attention.schedule import ring_schedule as packed_ring_schedule
 from megatron_longctx.kernels.base import BlockMask
-from tests.attention.test_packed_attention import document_attention
+from tests.oracle import document_attention
 
 LENGTHS = [(1,), (1, 7, 2, 16), (33, 1, 1, 5), (13,)]
 
@@ -136,7 +136,7 @@ def _brute_pairs(packing: Packing, mask: BlockMask) -> int:
 
 
 @pytest.mark.parametrize("mask", [BlockMask(True), BlockMask(False), BlockMask(True, (2, 0)), BlockMask(False, (1, 3))])
-def test_plans_cover_each_document_pair_once(mask):
+def test_schedules_cover_each_document_pair_once(mask):
     cp = 4
     packing = Packing.from_lengths((1, 7, 40, 3, 9), cp)
     layout = PackedLayout(packing, cp)

@@ -1,4 +1,4 @@
-"""The block plans and ring schedules: exact coverage, coalescing, skipped steps, bytes on the wire."""
+"""The block schedules and ring schedules: exact coverage, coalescing, skipped steps, bytes on the wire."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_longctx.attention import cp_attention, schedule_flops, shard_sequence
-from megatron_longctx.attention.allgather import allgather_calls
 from megatron_longctx.attention.comm import STATS
-from megatron_longctx.attention.ring import ring_schedule
+from megatron_longctx.attention.layout import dense_layout, from_ranks, pooled_index, to_ranks
+from megatron_longctx.attention.schedule import allgather_calls, ring_schedule
 from megatron_longctx.attention.segments import Segment, local_offsets
-from megatron_longctx.attention.sharding import SeqLayout, natural_to_ranks, ranks_to_natural
 from megatron_longctx.kernels.base import BlockMask
 from tests.dist import run_ranks
 
@@ -35,14 +34,14 @@ def _positions(segs) -> torch.Tensor:
     return torch.cat([torch.arange(s.start, s.start + s.length) for s in segs])
 
 
-def _ring_calls(layout: SeqLayout, mask: BlockMask):
+def _ring_calls(layout, mask: BlockMask):
     sched = ring_schedule(layout, mask)
     for i, t in enumerate(sched.offsets):
         for r in range(layout.cp_size):
-            yield r, layout.segments((r - t) % layout.cp_size), sched.calls[i][r]
+            yield r, layout.segments(0, (r - t) % layout.cp_size), sched.calls[i][r]
 
 
-def _allgather_calls(layout: SeqLayout, mask: BlockMask):
+def _allgather_calls(layout, mask: BlockMask):
     for r in range(layout.cp_size):
         yield r, (Segment(0, layout.global_len),), allgather_calls(layout, r, mask)
 
@@ -51,11 +50,11 @@ def _allgather_calls(layout: SeqLayout, mask: BlockMask):
 def test_every_visible_pair_computed_exactly_once(calls_of):
     """Each call's mask, as the kernel applies it, is the true mask; the calls tile the visible pairs."""
     for cp, chunk, zigzag, mask in itertools.product([1, 2, 3, 4], [1, 2, 3], [True, False], MASKS):
-        layout = SeqLayout(cp, chunk, zigzag)
+        layout = dense_layout(cp, chunk, zigzag)
         truth = _true_mask(mask, layout.global_len)
         count = torch.zeros_like(truth, dtype=torch.int64)
         for rank, k_segs, calls in calls_of(layout, mask):
-            q_pos, k_pos = _positions(layout.segments(rank)), _positions(k_segs)
+            q_pos, k_pos = _positions(layout.segments(0, rank)), _positions(k_segs)
             for c in calls:
                 rows, cols = q_pos[c.q_lo:c.q_hi, None], k_pos[None, c.k_lo:c.k_hi]
                 seen = c.mask.dense(c.q_start, c.q_hi - c.q_lo, c.k_start, c.k_hi - c.k_lo)
@@ -67,7 +66,7 @@ def test_every_visible_pair_computed_exactly_once(calls_of):
 
 def test_zigzag_ring_step_is_one_kernel_call():
     for cp in (2, 4, 8):
-        sched = ring_schedule(SeqLayout(cp, 16), BlockMask(True))
+        sched = ring_schedule(dense_layout(cp, 16), BlockMask(True))
         assert sched.offsets == tuple(range(cp))
         assert all(len(calls) == 1 for step in sched.calls for calls in step)
 
@@ -80,7 +79,7 @@ def test_zigzag_ring_step_is_one_kernel_call():
     (BlockMask(True, (4, 0)), (0, 1, 2, 3)),  # reaches two chunks back
 ])
 def test_ring_skips_offsets_outside_the_window(mask, offsets):
-    sched = ring_schedule(SeqLayout(4, 3), mask)
+    sched = ring_schedule(dense_layout(4, 3), mask)
     assert sched.offsets == offsets
     assert sched.transfers == len(offsets) - 1
 
@@ -101,9 +100,11 @@ def test_natural_order_roundtrip():
     for cp, b in itertools.product([1, 2, 3, 4], [1, 2]):
         x = torch.randn(b, 2 * cp * 3, 5)  # [b, s, rest]
         shards = torch.stack([shard_sequence(x, r, cp, seq_dim=1) for r in range(cp)])  # [cp, b, s/cp, rest]
-        assert torch.equal(ranks_to_natural(shards), x)
-        assert torch.equal(natural_to_ranks(x, cp), shards)
-        assert local_offsets(SeqLayout(cp, 3).segments(0)) == [0, 3, 6]
+        index = pooled_index(dense_layout(cp, 3), cp)
+        assert torch.equal(from_ranks(shards, index), x)
+        assert torch.equal(to_ranks(x, cp, index), shards)
+        expected = [0, 6] if cp == 1 else [0, 3, 6]  # one rank holds the sequence as one run
+        assert local_offsets(dense_layout(cp, 3).segments(0, 0)) == expected
 
 
 def _wire_bytes():
@@ -144,3 +145,42 @@ def _wire_bytes():
 
 def test_bytes_on_the_wire_match_the_schedule():
     assert run_ranks(4, _wire_bytes) == [True] * 4
+
+
+def _kernel_calls_per_ring_step():
+    """Kernel calls the dense zigzag ring runs, forward and backward, counted where they are made."""
+    from megatron_longctx.attention import segments
+
+    p, rank = dist.get_world_size(), dist.get_rank()
+    counts = {"forward": 0, "backward": 0}
+    original = segments.kernel_for
+
+    def counting_kernel_for(*args, **kwargs):
+        kernel = original(*args, **kwargs)
+
+        class Counted:
+            def forward(self, *a, **kw):
+                counts["forward"] += 1
+                return kernel.forward(*a, **kw)
+
+            def backward(self, *a, **kw):
+                counts["backward"] += 1
+                return kernel.backward(*a, **kw)
+
+        return Counted()
+
+    segments.kernel_for = counting_kernel_for
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2 * p * 8, 1, 2, 4, generator=gen) for _ in range(3))
+        local = [shard_sequence(t, rank, p, 0).requires_grad_() for t in (q, k, v)]
+        cp_attention(*local, dist.group.WORLD, algorithm="ring").sum().backward()
+    finally:
+        segments.kernel_for = original
+    return counts
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dense_zigzag_ring_runs_one_kernel_call_per_step(world_size):
+    steps = world_size  # causal zigzag: every offset has work
+    assert run_ranks(world_size, _kernel_calls_per_ring_step) == [{"forward": steps, "backward": steps}] * world_size

@@ -70,7 +70,8 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int = 0):
 
 
 def visible_pairs(mask: BlockMask, q_start: int, s_q: int, k_start: int, s_k: int) -> torch.Tensor:
-    """``[s_q, s_k]`` bool, written from BlockMask's definition independently of its methods."""
+    """``[s_q, s_k]`` bool, written from BlockMask's definition independently of its methods
+    (the attention oracle itself is :func:`tests.oracle.attention`)."""
     q_pos = torch.arange(q_start, q_start + s_q)[:, None]
     k_pos = torch.arange(k_start, k_start + s_k)[None, :]
     left, right = mask.window
@@ -82,18 +83,3 @@ def visible_pairs(mask: BlockMask, q_start: int, s_q: int, k_start: int, s_k: in
     if left >= 0:
         seen &= k_pos >= q_pos - left
     return seen
-
-
-def naive_attention(q, k, v, scale: float, seen: torch.Tensor):
-    """Softmax attention in float64, differentiable by autograd: out ``[b, s_q, h_q, d_v]``, lse ``[b, h_q, s_q]``.
-
-    Rows that see nothing give ``out = 0``, ``lse = -inf`` and no gradient.
-    """
-    g = q.shape[2] // k.shape[2]
-    kx, vx = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)  # [b, s_k, h_q, d]
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kx) * scale
-    live = seen.any(dim=1)  # [s_q]
-    s = s.masked_fill(~seen, float("-inf")).masked_fill(~live[:, None], 0.0)
-    p = torch.softmax(s, dim=-1) * live[:, None]
-    lse = torch.logsumexp(s, dim=-1).masked_fill(~live, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", p, vx), lse

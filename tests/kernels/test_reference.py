@@ -5,7 +5,9 @@ import torch
 
 from megatron_longctx.kernels import BlockArgs, BlockMask, check_shapes, reference
 
-from .cases import CASES, make_inputs, naive_attention, visible_pairs
+from tests.oracle import attention as naive_attention
+
+from .cases import CASES, make_inputs, visible_pairs
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 

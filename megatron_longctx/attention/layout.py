@@ -1,16 +1,17 @@
-"""How a packed (THD) batch of documents is laid out over the context-parallel ranks.
+"""How a sequence of documents is laid out over the context-parallel ranks: one layout, dense or packed.
 
 A packed sequence concatenates documents; document ``i`` holds ``cu_seqlens[i+1] - cu_seqlens[i]``
 real tokens at the start of a slot of ``cu_seqlens_padded[i+1] - cu_seqlens_padded[i]`` tokens
 (the rest of the slot is padding).  Both arrays are *global* offsets, the same on every rank, as
-Megatron's ``PackedSeqParams`` carries them.
+Megatron's ``PackedSeqParams`` carries them.  A dense ``[s, b, h, d]`` sequence is the packing of
+one document of ``s`` tokens (:meth:`SeqLayout.dense`), so every algorithm is written once.
 
-Per-document load balancing (Megatron-Core's per-document THD split, Transformer Engine's
+Per-document load balancing (Megatron-Core's zigzag, per document for THD as in Transformer Engine's
 ``thd_get_partitioned_indices``): every padded slot, a multiple of ``2*cp`` tokens, is cut into
 ``2*cp`` chunks of ``c_i = padded_i / (2*cp)`` tokens and rank ``r`` keeps chunks ``r`` and
-``2*cp-1-r`` of *every* document.  A rank's local tensor is, document after document, its two chunks
-of that document; it holds ``padded_total / cp`` tokens.  Megatron's THD RoPE slices positions the
-same way, so document-relative positions stay correct.
+``2*cp-1-r`` (:func:`.zigzag.zigzag_chunks`) of *every* document.  A rank's local tensor is, document
+after document, its two chunks of that document; it holds ``padded_total / cp`` tokens.  Megatron's
+RoPE slices positions the same way, so document-relative positions stay correct.
 """
 
 from __future__ import annotations
@@ -18,21 +19,40 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import weakref
 from typing import Sequence
 
 import torch
 
 from .segments import Segment, Segments
+from .zigzag import zigzag_chunks
+
+
+# Host copies of offset tensors, keyed by the tensor: Megatron passes the same cu_seqlens tensors to every
+# layer of a step, so a CUDA tensor is copied to the host (one device sync) once, not once per layer.
+_HOST: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, its version, its offsets)
+
+
+def _host_offsets(values: torch.Tensor) -> list[int]:
+    """``values.tolist()``, cached per device tensor until it is modified in place or freed."""
+    if values.device.type == "cpu":
+        return values.reshape(-1).tolist()
+    cached = _HOST.get(id(values))
+    if cached is None or cached[0]() is not values or cached[1] != values._version:
+        if len(_HOST) > 64:  # stale entries of freed tensors
+            _HOST.clear()
+        cached = (weakref.ref(values), values._version, values.reshape(-1).tolist())  # the one device -> host copy
+        _HOST[id(values)] = cached
+    return cached[2]
 
 
 def _as_offsets(name: str, values) -> tuple[int, ...]:
     if isinstance(values, torch.Tensor):
-        if values.dim() == 2 and values.shape[0] == 1:  # Megatron's dataloader keeps a batch dim: [1, n]
-            values = values[0]
-        if values.dim() != 1 or values.dtype.is_floating_point:
+        shape = values.shape[1:] if values.dim() == 2 and values.shape[0] == 1 else values.shape  # [1, n]: a batch dim
+        if len(shape) != 1 or values.dtype.is_floating_point:
             raise ValueError(f"{name} must be a 1-D integer tensor of offsets; got shape {tuple(values.shape)}, "
                              f"dtype {values.dtype}")
-        values = values.tolist()
+        values = _host_offsets(values)
     offsets = tuple(int(x) for x in values)
     if len(offsets) < 2:
         raise ValueError(f"{name}={list(offsets)} must hold at least two offsets [0, ..., total] (one document)")
@@ -135,29 +155,49 @@ class Packing:
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedLayout:
-    """Which tokens of each document each of ``cp_size`` ranks holds (per-document zigzag)."""
+class SeqLayout:
+    """Which tokens of each document each of ``cp_size`` ranks holds (per-document zigzag).
+
+    ``zigzag=False``: naive contiguous sharding (rank ``r`` holds chunks ``2r`` and ``2r+1``), kept to
+    price the load imbalance (schedules only; no data moves in that layout).  ``cp_size == 1``: one
+    rank holds every document whole, whatever its length.
+    """
 
     packing: Packing
     cp_size: int
+    zigzag: bool = True
 
     def __post_init__(self) -> None:
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1")
-        self.packing.check_cp(self.cp_size)
+        if self.cp_size > 1:
+            self.packing.check_cp(self.cp_size)
 
-    def chunk(self, doc: int) -> int:
-        """Tokens per chunk of document ``doc`` (``padded / (2*cp)``)."""
-        return self.packing.padded_lengths[doc] // (2 * self.cp_size)
+    @classmethod
+    def dense(cls, seq_len: int, cp_size: int, zigzag: bool = True) -> SeqLayout:
+        """One document of ``seq_len`` tokens (a dense sequence), over ``cp_size`` ranks."""
+        return cls(Packing((0, seq_len), (0, seq_len)), cp_size, zigzag)
+
+    @property
+    def num_docs(self) -> int:
+        return self.packing.num_docs
+
+    @property
+    def global_len(self) -> int:
+        return self.packing.padded_total
 
     @property
     def local_len(self) -> int:
         return self.packing.padded_total // self.cp_size
 
+    def chunk(self, doc: int) -> int:
+        """Tokens per chunk of document ``doc`` (``padded / (2*cp)``)."""
+        return self.packing.padded_lengths[doc] // (2 * self.cp_size)
+
     @functools.cached_property
     def local_starts(self) -> tuple[int, ...]:
-        """Offset of each document's two chunks in a rank's local tensor, plus ``local_len`` at the end."""
-        return tuple(itertools.accumulate((2 * self.chunk(d) for d in range(self.packing.num_docs)), initial=0))
+        """Offset of each document's tokens in a rank's local tensor, plus ``local_len`` at the end."""
+        return tuple(itertools.accumulate((p // self.cp_size for p in self.packing.padded_lengths), initial=0))
 
     def segments(self, doc: int, rank: int) -> Segments:
         """Real tokens of ``doc`` on ``rank`` as document-relative segments, in local memory order.
@@ -165,29 +205,36 @@ class PackedLayout:
         Chunk ``rank`` comes first, chunk ``2*cp-1-rank`` second; each is clipped to the document's
         real length and dropped when nothing real is left.  Only the last kept segment can be
         clipped (the real tokens of a slot come first), so the local offset of each segment is the
-        sum of the lengths before it, as :func:`.segments.plan_blocks` assumes.
+        sum of the lengths before it, as :func:`.segments.schedule_blocks` assumes.
         """
-        c, n = self.chunk(doc), self.packing.lengths[doc]
-        segs = []
-        for j in (rank, 2 * self.cp_size - 1 - rank):
-            length = min(c, n - j * c)
-            if length > 0:
-                segs.append(Segment(j * c, length))
-        return tuple(segs)
+        n = self.packing.lengths[doc]
+        if self.cp_size == 1:
+            return (Segment(0, n),) if n > 0 else ()
+        c = self.chunk(doc)
+        runs = [(j * c, c) for j in zigzag_chunks(rank, self.cp_size)] if self.zigzag else [(2 * rank * c, 2 * c)]
+        return tuple(Segment(start, min(length, n - start)) for start, length in runs if n - start > 0)
 
-    def coarsen(self, group_size: int) -> PackedLayout:
+    def coarsen(self, group_size: int) -> SeqLayout:
         """The layout seen by groups of ``group_size`` consecutive ranks that pool their tokens.
 
         Ranks ``g*U .. g*U+U-1`` hold, together, chunks ``g`` and ``2*cp/U-1-g`` of each document
         when chunks are ``U`` times longer: the layout of ``cp/U`` ranks.  ``group_size == cp`` gives
-        one rank holding the natural packed sequence.
+        one rank holding the natural sequence.
         """
         if group_size < 1 or self.cp_size % group_size != 0:
             raise ValueError(f"group_size={group_size} must divide cp_size={self.cp_size}")
-        return PackedLayout(self.packing, self.cp_size // group_size)
+        return SeqLayout(self.packing, self.cp_size // group_size, self.zigzag)
 
 
-def _doc_tensors(layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+
+
+def dense_layout(cp_size: int, chunk: int, zigzag: bool = True) -> SeqLayout:
+    """One dense sequence of ``2*cp_size*chunk`` tokens over ``cp_size`` ranks."""
+    return SeqLayout.dense(2 * cp_size * chunk, cp_size, zigzag)
+
+
+def _doc_tensors(layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per document: padded start in the packed sequence, chunk length, start in a local shard."""
     starts = torch.tensor(layout.packing.cu_seqlens_padded[:-1], dtype=torch.int64)
     chunks = torch.tensor([layout.chunk(d) for d in range(layout.packing.num_docs)], dtype=torch.int64)
@@ -195,18 +242,27 @@ def _doc_tensors(layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torc
     return starts, chunks, local_starts
 
 
+def _require_zigzag(layout: SeqLayout) -> None:
+    if not layout.zigzag:
+        raise ValueError("tokens move only in the zigzag layout; zigzag=False prices schedules only")
+
+
 @functools.lru_cache(maxsize=16)
-def _partition_index(layout: PackedLayout, rank: int, device: str) -> torch.Tensor:
+def _partition_index(layout: SeqLayout, rank: int, device: str) -> torch.Tensor:
+    _require_zigzag(layout)
+    if layout.cp_size == 1:
+        return torch.arange(layout.local_len, device=device)
     starts, chunks, local_starts = _doc_tensors(layout)
     doc = torch.repeat_interleave(torch.arange(len(chunks)), 2 * chunks)  # [t/cp]: document of each local token
     within = torch.arange(layout.local_len) - local_starts[doc]  # offset inside the document's two chunks
     c = chunks[doc]
     second = within >= c
-    chunk = torch.where(second, 2 * layout.cp_size - 1 - rank, rank)
+    first_chunk, second_chunk = zigzag_chunks(rank, layout.cp_size)
+    chunk = torch.where(second, second_chunk, first_chunk)
     return (starts[doc] + chunk * c + within - second * c).to(device)  # [t/cp]
 
 
-def partition_index(layout: PackedLayout, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def partition_index(layout: SeqLayout, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Positions in the padded packed sequence of ``rank``'s local tokens, in local order ``[t/cp]`` (int64).
 
     The same indices as Transformer Engine's ``thd_get_partitioned_indices(cu_seqlens_padded,
@@ -218,8 +274,11 @@ def partition_index(layout: PackedLayout, rank: int, device: torch.device | str 
 
 
 @functools.lru_cache(maxsize=16)
-def _group_order(layout: PackedLayout, group_size: int, device: str) -> torch.Tensor:
+def _group_order(layout: SeqLayout, group_size: int, device: str) -> torch.Tensor:
     u = group_size
+    _require_zigzag(layout)
+    if u == 1:
+        return torch.arange(layout.local_len, device=device)
     coarse = layout.coarsen(u)
     _, chunks, fine_starts = _doc_tensors(layout)
     doc = torch.repeat_interleave(torch.arange(len(chunks)), 2 * u * chunks)  # [U*t/cp]: document of each token
@@ -231,12 +290,39 @@ def _group_order(layout: PackedLayout, group_size: int, device: str) -> torch.Te
     return (member * layout.local_len + fine_starts[doc] + second * c + w % c).to(device)  # [U*t/cp]
 
 
-def group_order(layout: PackedLayout, group_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def group_order(layout: SeqLayout, group_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Index that turns ``group_size`` consecutive ranks' pooled shards into their coarse shard.
 
     Input: the local tensors of ranks ``gU .. gU+U-1`` concatenated in rank order ``[U*t/cp]``;
-    ``pooled[order]`` is shard ``g`` of :meth:`PackedLayout.coarsen` ``(U)``, the same index for
+    ``pooled[order]`` is shard ``g`` of :meth:`SeqLayout.coarsen` ``(U)``, the same index for
     every ``g``.  With ``U = cp`` it yields the natural padded packed sequence.  Cached per
     (layout, U, device): do not modify.
     """
     return _group_order(layout, group_size, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=16)
+def _pooled_index(layout: SeqLayout, group_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    order = _group_order(layout, group_size, device)
+    return order // layout.local_len, order % layout.local_len
+
+
+def pooled_index(layout: SeqLayout, group_size: int, device: torch.device | str = "cpu"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`group_order` split into (member rank, local token) ``[U*t/cp]`` each, for :func:`from_ranks`."""
+    return _pooled_index(layout, group_size, str(torch.device(device)))
+
+
+def from_ranks(x: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``[U, b, t, *rest]`` (one shard per member rank) -> the coarse shard ``[b, U*t, *rest]``.
+
+    ``index``: :func:`pooled_index`.  One gather copy whatever ``b`` (member and token indexed together).
+    """
+    return x.transpose(0, 1)[:, index[0], index[1]]  # [b, U*t, *rest]
+
+
+def to_ranks(y: torch.Tensor, u: int, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`from_ranks`: ``[b, U*t, *rest]`` -> ``[U, b, t, *rest]`` (contiguous)."""
+    per_rank = y.new_empty(u, y.shape[0], y.shape[1] // u, *y.shape[2:])  # [U, b, t, *rest]
+    per_rank.transpose(0, 1)[:, index[0], index[1]] = y  # one scatter copy
+    return per_rank
