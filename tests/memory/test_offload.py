@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megatron_longctx.memory import MemoryConfig, hooks
-from megatron_longctx.memory.offload import ActivationOffloader, _HostPool
+from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.offload import ActivationOffloader
 from tests.dist import megatron_parallel, run_ranks
 from tests.memory.gpt import assert_same, build_gpt, cpu, loss_and_grads
 
@@ -65,8 +66,11 @@ def test_disk_offload_releases_activations_and_restores_them(tmp_path):
     assert off.stats.offloaded_bytes > 0 and off.stats.fetched_bytes >= off.stats.offloaded_bytes
     gc.collect()
     off.synchronize()
-    assert os.listdir(tmp_path) == []  # files are removed once backward has used them
+    run_dir = off.disk_dir
+    assert os.path.dirname(run_dir) == str(tmp_path)
+    assert sorted(os.listdir(run_dir)) == [".lock"]  # files are removed once backward has used them
     off.close()
+    assert os.listdir(tmp_path) == []  # and the run directory at close
 
 
 def test_parameters_are_never_offloaded():
@@ -118,7 +122,7 @@ def test_host_target_on_cpu_is_counted_not_pretended():
 
 
 def test_host_pool_is_bounded():
-    pool = _HostPool(capacity=1000)
+    pool = HostPool(capacity=1000)
     a = pool.take(600)
     assert a is not None and pool.take(600) is None  # past the bound: the caller keeps the tensor
     pool.give(a)

@@ -1,0 +1,77 @@
+"""The bounded host buffer pool of the activation offloader (pinned memory when a GPU is present).
+
+Every byte the pool holds counts against ``capacity``: buffers handed out (``used``) and buffers given
+back and kept for reuse (``cached``).  A request that does not fit first frees cached buffers of other
+sizes (oldest first); if it still does not fit it is refused (``None``) and the caller keeps its
+tensor on the device.  So the pool never holds more than its bound, whatever mix of sizes it sees.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Optional
+
+import torch
+
+
+class HostPool:
+    """Host ``[nbytes]`` uint8 buffers bounded by ``capacity`` bytes; freed buffers are reused by size."""
+
+    def __init__(self, capacity: int, pin: Optional[bool] = None) -> None:
+        self.capacity, self.used, self.cached = capacity, 0, 0
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.evicted_bytes = 0  # cached buffers freed to make room for another size
+        self.refused = 0
+        self._free: "collections.OrderedDict[int, list[torch.Tensor]]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        """Bytes the pool holds now: handed out plus cached."""
+        return self.used + self.cached
+
+    def take(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A buffer of exactly ``nbytes`` bytes, or None when the bound does not allow one."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                buf = free.pop()
+                if not free:
+                    del self._free[nbytes]
+                self.cached -= nbytes
+                self.used += nbytes
+                return buf
+            if self.used + nbytes > self.capacity:
+                self.refused += 1
+                return None
+            while self.used + self.cached + nbytes > self.capacity:  # evict other sizes, oldest first
+                size, bufs = next(iter(self._free.items()))
+                bufs.pop()
+                if not bufs:
+                    del self._free[size]
+                self.cached -= size
+                self.evicted_bytes += size
+            self.used += nbytes
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError:
+            with self._lock:
+                self.used -= nbytes
+                self.refused += 1
+            return None
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Hand ``buf`` back; it is cached for the next request of its size."""
+        nbytes = buf.numel()
+        with self._lock:
+            self.used -= nbytes
+            self.cached += nbytes
+            self._free.setdefault(nbytes, []).append(buf)
+            self._free.move_to_end(nbytes)
+
+    def clear(self) -> None:
+        """Free every cached buffer."""
+        with self._lock:
+            self._free.clear()
+            self.cached = 0
