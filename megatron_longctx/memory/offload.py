@@ -35,11 +35,13 @@ import concurrent.futures as cf
 import dataclasses
 import os
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from megatron_longctx.kernels.cuda_presence import unusable_gpu_reason
 from megatron_longctx.memory import hooks, streams
 from megatron_longctx.memory.config import MemoryConfig
 from megatron_longctx.memory.host_pool import HostPool
@@ -241,6 +243,11 @@ class ActivationOffloader:
         self._inflight = threading.BoundedSemaphore(cfg.offload_max_inflight)
         self._run_dir: Optional[RunDir] = None
         self._counter = 0
+        if cfg.offload_target == "host" and ops is None and not torch.cuda.is_available():
+            reason = unusable_gpu_reason()
+            if reason is not None:
+                warnings.warn(f"--longctx-offload-target host lowers no memory on the CPU, and {reason}",
+                              RuntimeWarning, stacklevel=2)
         if cfg.offload_target == "disk":
             self._run_dir = RunDir(default_root(cfg))
             self._io = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="longctx-offload-io")
