@@ -4,6 +4,10 @@ Every byte the pool holds counts against ``capacity``: buffers handed out (``use
 back and kept for reuse (``cached``).  A request that does not fit first frees cached buffers of other
 sizes (oldest first); if it still does not fit it is refused (``None``) and the caller keeps its
 tensor on the device.  So the pool never holds more than its bound, whatever mix of sizes it sees.
+
+Pinned buffers come from PyTorch's caching host allocator, which rounds each block up to a power of
+two and keeps freed blocks: the pool charges the rounded size, and empties that cache after evicting,
+so evicted pinned memory really goes back to the system.
 """
 
 from __future__ import annotations
@@ -31,33 +35,41 @@ class HostPool:
         """Bytes the pool holds now: handed out plus cached."""
         return self.used + self.cached
 
+    def charge(self, nbytes: int) -> int:
+        """Bytes a buffer of ``nbytes`` really holds (pinned blocks are rounded up to a power of two)."""
+        return 1 << max(nbytes - 1, 0).bit_length() if self.pin else nbytes
+
     def take(self, nbytes: int) -> Optional[torch.Tensor]:
         """A buffer of exactly ``nbytes`` bytes, or None when the bound does not allow one."""
+        cost, evicted = self.charge(nbytes), False
         with self._lock:
             free = self._free.get(nbytes)
             if free:
                 buf = free.pop()
                 if not free:
                     del self._free[nbytes]
-                self.cached -= nbytes
-                self.used += nbytes
+                self.cached -= cost
+                self.used += cost
                 return buf
-            if self.used + nbytes > self.capacity:
+            if self.used + cost > self.capacity:
                 self.refused += 1
                 return None
-            while self.used + self.cached + nbytes > self.capacity:  # evict other sizes, oldest first
+            while self.used + self.cached + cost > self.capacity:  # evict other sizes, oldest first
                 size, bufs = next(iter(self._free.items()))
                 bufs.pop()
                 if not bufs:
                     del self._free[size]
-                self.cached -= size
-                self.evicted_bytes += size
-            self.used += nbytes
+                self.cached -= self.charge(size)
+                self.evicted_bytes += self.charge(size)
+                evicted = True
+            self.used += cost
+        if evicted and self.pin:
+            torch._C._host_emptyCache()  # the evicted pinned blocks back to the system, not to torch's cache
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError:
             with self._lock:
-                self.used -= nbytes
+                self.used -= cost
                 self.refused += 1
             return None
 
@@ -65,8 +77,8 @@ class HostPool:
         """Hand ``buf`` back; it is cached for the next request of its size."""
         nbytes = buf.numel()
         with self._lock:
-            self.used -= nbytes
-            self.cached += nbytes
+            self.used -= self.charge(nbytes)
+            self.cached += self.charge(nbytes)
             self._free.setdefault(nbytes, []).append(buf)
             self._free.move_to_end(nbytes)
 
@@ -75,3 +87,5 @@ class HostPool:
         with self._lock:
             self._free.clear()
             self.cached = 0
+        if self.pin:
+            torch._C._host_emptyCache()

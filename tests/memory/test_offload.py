@@ -263,3 +263,10 @@ def test_host_pool_refuses_past_the_bound_and_evicts_other_sizes():
     pool.give(a)
     b = pool.take(500)  # the cached 600 is freed to make room
     assert b is not None and pool.cached == 0 and pool.evicted_bytes == 600 and pool.held == 500
+
+
+def test_pinned_pool_charges_the_rounded_block():
+    """Pinned blocks are powers of two in PyTorch's host allocator: the bound counts what they hold."""
+    pool = HostPool(capacity=4096, pin=True)
+    assert pool.charge(3000) == 4096 and pool.charge(4096) == 4096 and pool.charge(1) == 1
+    assert HostPool(capacity=4096, pin=False).charge(3000) == 3000

@@ -46,7 +46,8 @@ def _plain(layers=3, seed=0):
 
 def _sources(log):
     """Names of the device copies the offloader copied to the host (forward copies on the side stream)."""
-    return [e[2] for e in log if e[0] == "copy" and e[3] == "side" and e[2] not in _restored(log)]
+    restored = _restored(log)
+    return [e[2] for e in log if e[0] == "copy" and e[3] == "side" and e[1] not in restored]
 
 
 def _restored(log):
@@ -144,3 +145,50 @@ def test_disk_target_stages_through_the_pool_and_writes_on_the_worker(tmp_path):
     torch.testing.assert_close(x.grad, ref[1])
     torch.testing.assert_close(w.grad, ref[2])
     off.close()
+
+
+def _wired_gpt_with_recorded_streams():
+    """``memory.install`` on a GPTModel with the stream double: 3 steps, the parameters moved into one
+    flat buffer after install (as DDP's buffer), against the plain model."""
+    from megatron_longctx.memory import install, streams
+    from tests.memory.gpt import assert_same, build_gpt, cpu, loss_and_grads
+    from tests.dist import megatron_parallel
+
+    with cpu(), megatron_parallel(tp=2):
+        ref = loss_and_grads(build_gpt(), steps=3)
+        ops = RecordingOps(auto_land=False)
+        original = streams.device_ops
+        streams.device_ops = lambda: ops
+        try:
+            model = build_gpt()
+            cfg = MemoryConfig(recompute_granularity="full", offload_policy="checkpoint", offload_target="host",
+                               offload_min_bytes=0, offload_max_inflight=2)
+            handle = install(model, cfg)
+        finally:
+            streams.device_ops = original
+        params = list(model.parameters())
+        flat = torch.cat([p.detach().reshape(-1) for p in params])  # one buffer, as DDP's param buffer
+        offset = 0
+        for p in params:
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        pending = []
+        off = handle.offloader
+        track = off.track_copy
+        off.track_copy = lambda e: (track(e), pending.append(len(off.pending)))
+        got = loss_and_grads(model, steps=3)
+        assert_same(ref, got)
+        srcs = _sources(ops.log)
+        # per step: each of the 2 layers' input, and the RoPE table once (layer 1's is the same storage)
+        assert len(srcs) == off.stats.offloaded_tensors == 3 * 3 and off.stats.deduplicated_bytes > 0
+        first_restore = next(i for i, e in enumerate(ops.log) if e[0] == "empty")
+        assert all(ops.index(("free", s)) < first_restore for s in srcs[:3])  # step 1: none into backward
+        assert max(pending) == 2 and off.stats.waited_copies == 9 - 2  # bounded across steps, nobody polled
+        assert flat.untyped_storage().data_ptr() in off._params_ptrs() and off.stats.param_refreshes >= 3
+        handle.remove()
+
+
+def test_install_wiring_with_recorded_streams_tp2():
+    from tests.dist import run_ranks
+
+    run_ranks(2, _wired_gpt_with_recorded_streams)
