@@ -18,9 +18,9 @@ Sections (each with its own time budget; an error in one is recorded and the nex
 * ``max_seq`` — a numerics check of every memory feature against none, then the longest sequence one GPU
   trains for a Llama-3-8B-shaped stack of two layers with every feature on.
 
-Writes one JSON file (after every section, so a killed run keeps what finished; schema "gpu_check/2",
-keys in /docs of the planner's calibration: ``sections.kernels.tflops.<backend>.<dtype>.{fwd,bwd}``) and
-prints a table.  ``--allow-cpu`` runs the same code paths on the CPU with tiny sizes (a dry run for CI).
+Writes one JSON file (after every section, so a killed run keeps what finished) and prints a table.
+Schema ``gpu_check/2``; the keys a calibration reads are ``sections.kernels.tflops.<backend>.<dtype>.
+{fwd,bwd,seq,heads}`` (TFLOP/s of one causal call) and ``sections.environment.matmul_bf16_tflops``.  ``--allow-cpu`` runs the same code paths on the CPU with tiny sizes (a dry run for CI).
 Exit status: 0 all sections ran or were skipped with a reason, 1 a section failed, 3 no CUDA device
 (and no ``--allow-cpu``), 4 NVIDIA GPUs present but unusable by this torch (driver mismatch...).
 """

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gpu_check_common import Budget, Sizes, Skip, _rel_err, _sync, _time
+from gpu_check_common import Budget, Sizes, _sync, _time
 from gpu_check_gpt import batch, build_gpt, compare, dtype_for, loss_and_grads, require_megatron, single_rank_megatron
 
 
