@@ -120,13 +120,13 @@ _CHILD = textwrap.dedent("""
     off = ActivationOffloader(_cfg({path!r}))
     keep = _offload(off)
     print(off.disk_dir, flush=True)
-    time.sleep(120)
+    sys.stdin.readline()  # a line: exit normally, without close(); or wait here for a signal
 """)
 
 
 def _child(path):
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD.format(root=ROOT, path=str(path))], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD.format(root=ROOT, path=str(path))], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = proc.stdout.readline().strip()
     assert run_dir and os.path.isdir(run_dir), proc.stderr.read() if proc.poll() is not None else run_dir
     assert len(os.listdir(run_dir)) > 1  # files written
@@ -150,12 +150,16 @@ def test_sigkilled_run_leaves_files_the_next_start_removes(tmp_path):
         alive.wait(30)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_remove_the_run_directory(tmp_path, sig):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, None])
+def test_sigterm_sigint_and_exit_remove_the_run_directory(tmp_path, sig):
     proc, run_dir = _child(tmp_path)
-    proc.send_signal(sig)
+    if sig is None:  # a normal exit that never called close()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    else:
+        proc.send_signal(sig)
     rc = proc.wait(60)
-    assert rc != 0
+    assert (rc == 0) if sig is None else (rc != 0), proc.stderr.read()
     deadline = time.monotonic() + 10
     while os.path.exists(run_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
