@@ -2,22 +2,27 @@
 
 Sections (each with its own time budget; an error in one is recorded and the next one runs):
 
-* ``environment`` — torch, CUDA, device, optional packages (megatron-core, flash-attn);
-* ``kernels`` — the CUDA block kernels (``sdpa_cuda``, ``flash_attn``) against the ``reference``
-  backend: outputs, log-sum-exp and gradients, plus forward/backward time and TFLOPS;
-* ``ring_overhead`` — the zigzag ring schedule of P ranks run block by block on one GPU (every block
-  call and online-softmax merge a ring rank makes) against one kernel call over the same tokens:
-  efficiency, per-block overhead, and the error of the assembled output;
-* ``offload`` — a layer stack trained with and without the activation offloader (pinned host pool):
-  ``max_memory_allocated``, step time, measured host-link bandwidth, how much of the copies hid
-  behind compute, and that gradients agree;
-* ``max_seq`` — the longest sequence one GPU trains for a Llama-3-8B-shaped stack of a few layers
-  with every memory feature on (binary search until out of memory or out of time; needs megatron-core).
+* ``environment`` — torch, CUDA, device, optional packages, the measured bf16 matmul rate;
+* ``kernels`` — every case of ``tests/kernels/cases.py`` (offset/rectangular blocks, windows, GQA/MQA,
+  MLA, ``s_q = 1``...) in bf16 and fp16 on each CUDA backend against the float64 ``reference``:
+  outputs, log-sum-exp and gradients; plus forward/backward TFLOPS of a long causal call;
+* ``ring`` — the real ring schedule of P = 2, 4, 8 ranks for causal, windowed and packed (THD)
+  layouts, run block by block on one GPU against one kernel call (per document when packed): outputs
+  and gradients, pair counts, efficiency;
+* ``offload`` — a GPTModel trained plain and with ``memory.install`` offloading every layer: peak
+  memory, gradients, host-link bandwidth and how much of the copies hid behind compute;
+* ``offload_one_connection`` — the same in a child process under ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+  (Megatron's setting for TP/SP overlap, which can serialise the offload side stream);
+* ``gpt_step`` — one training step of a tiny GPTModel with ContextParallelAttention at CP=1 against
+  Megatron's own attention;
+* ``max_seq`` — a numerics check of every memory feature against none, then the longest sequence one GPU
+  trains for a Llama-3-8B-shaped stack of two layers with every feature on.
 
 Writes one JSON file (after every section, so a killed run keeps what finished) and prints a table.
-Uses only torch and this repository.  ``--allow-cpu`` runs the same code paths on the CPU with tiny
-sizes (a dry run for CI).  Exit status: 0 all sections ran or were skipped with a reason, 1 a section
-failed, 3 no CUDA device (and no ``--allow-cpu``).
+Schema ``gpu_check/2``; the keys a calibration reads are ``sections.kernels.tflops.<backend>.<dtype>.
+{fwd,bwd,seq,heads}`` (TFLOP/s of one causal call) and ``sections.environment.matmul_bf16_tflops``.  ``--allow-cpu`` runs the same code paths on the CPU with tiny sizes (a dry run for CI).
+Exit status: 0 all sections ran or were skipped with a reason, 1 a section failed, 3 no CUDA device
+(and no ``--allow-cpu``), 4 NVIDIA GPUs present but unusable by this torch (driver mismatch...).
 """
 
 from __future__ import annotations
@@ -37,19 +42,27 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # this repository, and the section modules beside this file
 
-from gpu_check_attention import section_kernels, section_ring_overhead  # noqa: E402
-from gpu_check_common import CPU_SIZES, GPU_SIZES, Budget, Sizes, Skip  # noqa: E402
+from gpu_check_attention import section_kernels, section_ring  # noqa: E402
+from gpu_check_common import CPU_SIZES, GPU_SIZES, Budget, Sizes, Skip, _time  # noqa: E402
+from gpu_check_gpt import section_gpt_step  # noqa: E402
 from gpu_check_memory import section_max_seq, section_offload  # noqa: E402
+
+SCHEMA = "gpu_check/2"
 
 
 def section_environment(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                             "cuda_available": torch.cuda.is_available(), "device": str(device)}
+    info["cuda_device_max_connections"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    info["matmul_bf16_tflops"] = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(name=props.name, capability=f"{props.major}.{props.minor}",
                     memory_gib=round(props.total_memory / 2**30, 2), cuda=torch.version.cuda,
                     cudnn=torch.backends.cudnn.version())
+        n = 8192
+        a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+        info["matmul_bf16_tflops"] = 2 * n ** 3 / _time(lambda: a @ b, device, reps=10) / 1e12
     for module in ("megatron.core", "flash_attn", "transformer_engine"):
         try:
             mod = __import__(module, fromlist=["__version__"])
@@ -59,17 +72,43 @@ def section_environment(device: torch.device, sizes: Sizes, budget: Budget) -> d
     return info
 
 
+def section_offload_one_connection(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
+    """``offload`` again in a child process with CUDA_DEVICE_MAX_CONNECTIONS=1 (read at CUDA start)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "child.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--out", out, "--sections", "offload", "--child"]
+        if device.type != "cuda":
+            cmd.append("--allow-cpu")
+        env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(budget.left(), 10))
+        except subprocess.TimeoutExpired:
+            raise Skip("time budget (the child did not finish)")
+        if not os.path.exists(out):
+            return {"status": "error", "error": f"child exited {proc.returncode}: {proc.stderr[-2000:]}"}
+        with open(out, encoding="utf-8") as fh:
+            child = json.load(fh)["sections"]["offload"]
+    child["child_returncode"] = proc.returncode
+    return child
+
+
 SECTIONS: dict[str, tuple[Callable, float]] = {
-    "environment": (section_environment, 30),
+    "environment": (section_environment, 20),
     "kernels": (section_kernels, 60),
-    "ring_overhead": (section_ring_overhead, 60),
-    "offload": (section_offload, 60),
-    "max_seq": (section_max_seq, 210),
+    "ring": (section_ring, 60),
+    "offload": (section_offload, 50),
+    "offload_one_connection": (section_offload_one_connection, 45),
+    "gpt_step": (section_gpt_step, 30),
+    "max_seq": (section_max_seq, 150),
 }
 
 
 def run(sections: list[str], device: torch.device, sizes: Sizes, out_path: str, scale: float) -> dict:
-    report: dict[str, Any] = {"device": str(device), "dry_run": device.type != "cuda", "sections": {}}
+    report: dict[str, Any] = {"schema": SCHEMA, "device": str(device), "dry_run": device.type != "cuda",
+                              "sections": {}}
     for name in sections:
         fn, seconds = SECTIONS[name]
         budget = Budget(seconds * scale)
@@ -96,25 +135,27 @@ def _summary(name: str, r: dict) -> str:
     if r["status"] in ("skipped", "error"):
         return r.get("reason") or r.get("error", "")
     if name == "environment":
-        return f"torch {r['torch']}, {r.get('name', r['device'])}, megatron {r['megatron.core']}"
+        mm = r.get("matmul_bf16_tflops")
+        return (f"torch {r['torch']}, {r.get('name', r['device'])}, megatron {r['megatron.core']}"
+                + (f", bf16 matmul {mm:.0f} TFLOPS" if mm else ""))
     if name == "kernels":
         parts = []
-        for k, v in r.items():
-            if isinstance(v, dict) and "status" in v:
-                t = v.get("timing", {})
-                speed = f" {t['fwd_tflops']:.0f}/{t['bwd_tflops']:.0f} TFLOPS" if "fwd_tflops" in t else ""
-                parts.append(f"{k}: {v['status']}{speed}")
+        for backend, entry in r["backends"].items():
+            speeds = ", ".join(f"{dt} {v['fwd']:.0f}/{v['bwd']:.0f}" for dt, v in r["tflops"].get(backend, {}).items())
+            parts.append(f"{backend}: {entry['status']}" + (f" (TFLOPS fwd/bwd {speeds})" if speeds else ""))
         return "; ".join(parts)
-    if name == "ring_overhead":
-        return "; ".join(f"cp{x['cp']}: {x['efficiency']:.0%}, {x['overhead_per_block_us']:.0f} us/block"
-                         for x in r["rows"] if "efficiency" in x)
-    if name == "offload":
+    if name == "ring":
+        return "; ".join(f"{x['layout']} cp{x['cp']}: {x['efficiency']:.0%}" for x in r["rows"] if "efficiency" in x)
+    if name.startswith("offload"):
         if "peak_reduction" in r:
             return (f"peak {r['plain_peak_gib']:.1f} -> {r['offload_peak_gib']:.1f} GiB, time "
                     f"{r['plain_s']:.2f} -> {r['offload_s']:.2f} s, hidden {r['hidden_share']:.0%}")
         return f"grads max rel err {r['grad_max_rel_err']:.1e}; {r.get('note', '')}"
+    if name == "gpt_step":
+        return f"loss rel err {r['step1']['loss_rel_err']:.1e}, grads {r['step1']['grad_max_rel_err']:.1e}"
     if name == "max_seq":
-        return f"max trained {r['max_trained_seq']:,} tokens (stopped by {r['stopped_by']})"
+        return (f"max trained {r['max_trained_seq']:,} tokens (stopped by {r['stopped_by']}); "
+                f"numerics rel err {r['numerics_rel_err']:.1e}")
     return ""
 
 
@@ -124,7 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-cpu", action="store_true", help="dry run on the CPU with tiny sizes")
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every section's time budget")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from megatron_longctx.kernels.cuda_presence import unusable_gpu_reason
+
+    reason = None if torch.cuda.is_available() else unusable_gpu_reason()
+    if reason is not None and not args.child:
+        print(f"gpu_check: ERROR: {reason}", file=sys.stderr)
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump({"schema": SCHEMA, "status": "gpu_unusable", "reason": reason, "torch": torch.__version__},
+                      fh, indent=2)
+        if not args.allow_cpu:
+            return 4
     if torch.cuda.is_available():
         device, sizes = torch.device("cuda", torch.cuda.current_device()), GPU_SIZES
     elif args.allow_cpu:
@@ -132,16 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("gpu_check: no CUDA device: nothing to check (use --allow-cpu for a dry run on the CPU)")
         with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"status": "no_cuda", "torch": torch.__version__}, fh, indent=2)
+            json.dump({"schema": SCHEMA, "status": "no_cuda", "torch": torch.__version__}, fh, indent=2)
         return 3
     report = run(args.sections, device, sizes, args.out, args.budget_scale)
-    print(f"{'section':<15}{'status':<10}{'s':>7}  summary")
+    print(f"{'section':<24}{'status':<10}{'s':>7}  summary")
     for name, r in report["sections"].items():
         try:
             summary = _summary(name, r)
         except Exception as exc:  # noqa: BLE001 - the table must print whatever a section returned
             summary = f"(no summary: {type(exc).__name__})"
-        print(f"{name:<15}{r['status']:<10}{r['seconds']:>7.1f}  {summary}")
+        print(f"{name:<24}{r['status']:<10}{r['seconds']:>7.1f}  {summary}")
     print(f"wrote {args.out}")
     return 1 if any(r["status"] in ("error", "failed") for r in report["sections"].values()) else 0
 

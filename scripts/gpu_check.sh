@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
-# One prepared accelerator run (at most 8 minutes) of the checks the CPU suite cannot make.
-# Needs only python + torch; megatron-core (for the max_seq section) may be absent or carried as a wheel.
-#   scripts/gpu_check.sh [OUT_JSON] [extra args for scripts/gpu_check.py, e.g. --allow-cpu]
+# One prepared accelerator run (at most 8 minutes on one H200) of the checks the CPU suite cannot make.
+#   scripts/gpu_check.sh [OUT_JSON] [extra args for scripts/gpu_check.py, e.g. --allow-cpu, --sections ...]
+#
+# Needs python3 + torch with CUDA.  megatron-core (offload, gpt_step, max_seq sections) may be absent:
+# wheels in <repo>/.whl/ are installed into /tmp/longctx-site first when megatron.core does not import.
+#
+# The device machine (torch 2.11 + CUDA 13, Python 3.12, no megatron-core; flash-attn and Transformer
+# Engine absent, so sdpa_cuda is the backend proven there).  Once, here, in the repo root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl megatron-core==0.19.2
+# (2.3 MiB; its requirements torch, numpy, packaging are on the image.)  Then the device `run` call:
+#   command:   set -o pipefail; scripts/gpu_check.sh $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
+#   carry:     [".whl"]
+#   timeout_s: 560   (8 minutes of sections + wheel install + start; leaves a rerun inside 15 minutes)
+# Exit status: 0 ok, 1 a section failed, 3 no CUDA device, 4 GPUs present but unusable by torch, 124 timeout.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-gpu_check.json}"
 shift || true
+PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="${here}${PYTHONPATH:+:${PYTHONPATH}}"
 export PYTHONUNBUFFERED=1
+if ! "${PYTHON}" -c "import megatron.core" 2>/dev/null && compgen -G "${here}/.whl/*.whl" >/dev/null; then
+    site=/tmp/longctx-site
+    "${PYTHON}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "${site}" \
+        "${here}"/.whl/*.whl || { echo "gpu_check: installing the carried wheels failed" >&2; exit 1; }
+    export PYTHONPATH="${PYTHONPATH}:${site}"
+fi
 # Fewer, larger allocator segments: the max_seq search measures what fits, not fragmentation.
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-PYTHON="${PYTHON:-python3}"
 timeout --signal=TERM --kill-after=20 480 "${PYTHON}" "${here}/scripts/gpu_check.py" --out "${out}" "$@"
 rc=$?
 if [ "${rc}" -eq 124 ]; then

@@ -1,4 +1,14 @@
-"""gpu_check sections on attention: CUDA block kernels vs the reference; the ring's block schedule."""
+"""gpu_check sections on attention: every kernel case against the float64 reference; the real ring
+schedule of P ranks (causal, windowed, packed) run block by block on one device against one call.
+
+The ring's calls come from the public pieces only: the shards of :func:`megatron_longctx.attention.
+shard_sequence` / :func:`~megatron_longctx.attention.shard_packed` (which global positions each rank
+holds) and :func:`megatron_longctx.attention.segments.plan_blocks` over (rank ``r``'s query segments,
+rank ``r - t``'s key segments) for every offset ``t`` — what the ring runs — then
+:func:`~megatron_longctx.attention.segments.attend_segments` (+ ``_backward``).  The schedule's pair
+count is checked against :func:`~megatron_longctx.attention.schedule_flops` and the exact number of
+visible pairs, so a block computed twice or skipped shows up even where the numbers would hide it.
+"""
 
 from __future__ import annotations
 
@@ -9,120 +19,270 @@ import torch
 from gpu_check_common import Budget, Sizes, _rel_err, _time
 
 
-def _kernel_case(kern, ref, case: tuple, device: torch.device, dtype: torch.dtype) -> dict:
-    from megatron_longctx.kernels.base import BlockArgs, BlockMask
+def _dtypes(device: torch.device) -> tuple:
+    return (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32,)
 
-    b, s, hq, hkv, d, left = case
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(b, s, h, d, device=device, dtype=dtype, generator=g) for h in (hq, hkv, hkv))
-    dout = torch.randn(b, s, hq, d, device=device, dtype=dtype, generator=g)
-    args = BlockArgs(softmax_scale=d ** -0.5, mask=BlockMask(causal=True, window=(left, -1)))
-    reason = kern.check(q, k, v, args)
+
+def _tol(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+
+
+def _errors(got: dict, want: dict) -> dict:
+    errs = {}
+    for name, a in got.items():
+        b = want[name]
+        errs[name] = _rel_err(a, b)
+        if name == "lse" and not torch.equal(torch.isinf(a.float()), torch.isinf(b)):
+            errs[name] = float("inf")  # rows that see nothing must agree (-inf)
+    return errs
+
+
+def _case(kern, ref, case, device: torch.device, dtype: torch.dtype) -> dict:
+    from tests.kernels.cases import make_inputs
+
+    q, k, v, dout = (t.to(device) for t in make_inputs(case, torch.float64))
+    args = case.args()
+    lo = [t.to(dtype) for t in (q, k, v, dout)]
+    reason = kern.check(*lo[:3], args)
     if reason is not None:
-        return {"case": list(case), "status": "unsupported", "reason": reason}
-    out, lse = kern.forward(q, k, v, args)
-    grads = kern.backward(dout, q, k, v, out, lse, args)
-    r_out, r_lse = ref.forward(q, k, v, args)
-    r_grads = ref.backward(dout, q, k, v, r_out, r_lse, args)
-    errs = {"out": _rel_err(out, r_out), "lse": _rel_err(lse, r_lse)}
-    errs.update({n: _rel_err(a, r) for n, a, r in zip(("dq", "dk", "dv"), grads, r_grads)})
-    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
-    return {"case": list(case), "status": "ok" if max(errs.values()) <= tol else "mismatch",
-            "max_rel_err": errs, "tolerance": tol}
+        return {"case": case.name, "status": "unsupported", "reason": reason}
+    out, lse = kern.forward(*lo[:3], args)
+    grads = kern.backward(lo[3], *lo[:3], out, lse, args)
+    qd, kd, vd, dd = (t.double() for t in lo)  # the float64 oracle sees the same rounded values
+    r_out, r_lse = ref.forward(qd, kd, vd, args)
+    r_grads = ref.backward(dd, qd, kd, vd, r_out, r_lse, args)
+    errs = _errors({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]},
+                   {"out": r_out, "lse": r_lse, "dq": r_grads[0], "dk": r_grads[1], "dv": r_grads[2]})
+    return {"case": case.name, "status": "ok" if max(errs.values()) <= _tol(dtype) else "mismatch",
+            "max_rel_err": errs, "tolerance": _tol(dtype)}
 
 
-def _kernel_timing(kern, s: int, device: torch.device, dtype: torch.dtype, heads: tuple) -> dict:
+def _timing(kern, s: int, device: torch.device, dtype: torch.dtype, heads: tuple) -> dict:
     from megatron_longctx.kernels.base import BlockArgs, BlockMask
 
     hq, hkv, d = heads
     q, k, v = (torch.randn(1, s, h, d, device=device, dtype=dtype) for h in (hq, hkv, hkv))
     args = BlockArgs(softmax_scale=d ** -0.5, mask=BlockMask(causal=True))
-    if kern.check(q, k, v, args) is not None:
-        return {"status": "unsupported", "reason": kern.check(q, k, v, args)}
+    reason = kern.check(q, k, v, args)
+    if reason is not None:
+        return {"status": "unsupported", "reason": reason}
     out, lse = kern.forward(q, k, v, args)
     fwd = _time(lambda: kern.forward(q, k, v, args), device)
     bwd = _time(lambda: kern.backward(out, q, k, v, out, lse, args), device)
-    flops = 2 * s * s * hq * d  # causal forward: 2·b·s²·H
-    return {"seq": s, "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "fwd_tflops": flops / fwd / 1e12,
-            "bwd_tflops": 2.5 * flops / bwd / 1e12}
+    flops = 2 * s * s * hq * d  # causal forward: half of 4·s²·h·d
+    return {"seq": s, "heads": list(heads), "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3,
+            "fwd": flops / fwd / 1e12, "bwd": 2.5 * flops / bwd / 1e12}
 
 
 def section_kernels(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
     from megatron_longctx.kernels.base import KernelUnsupported
     from megatron_longctx.kernels.select import get_kernel
+    from tests.kernels.cases import CASES
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ref = get_kernel("reference", device)
     names = ["sdpa_cuda", "flash_attn"] + (["cpu_flash"] if device.type == "cpu" else [])
-    result: dict[str, Any] = {"dtype": str(dtype)}
+    backends: dict[str, Any] = {}
+    tflops: dict[str, Any] = {}
+    failed = False
     for name in names:
         try:
             kern = get_kernel(name, device)
         except KernelUnsupported as exc:
-            result[name] = {"status": "skipped", "reason": str(exc)}
+            backends[name] = {"status": "skipped", "reason": str(exc)}
             continue
-        cases = []
-        for case in sizes.kernel_cases:
-            if budget.left() <= 0:
-                cases.append({"case": list(case), "status": "skipped", "reason": "time budget"})
-                continue
-            try:
-                cases.append(_kernel_case(kern, ref, case, device, dtype))
-            except Exception as exc:  # noqa: BLE001 - one case must not hide the others
-                cases.append({"case": list(case), "status": "error", "error": f"{type(exc).__name__}: {exc}"})
-        entry: dict[str, Any] = {"cases": cases}
-        if budget.left() > 0:
-            try:
-                entry["timing"] = _kernel_timing(kern, sizes.kernel_timing_seq, device, dtype, sizes.heads)
-            except Exception as exc:  # noqa: BLE001
-                entry["timing"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
-        statuses = {c["status"] for c in cases}
-        entry["status"] = "failed" if statuses & {"mismatch", "error"} else "ok"
-        result[name] = entry
-    if any(isinstance(v, dict) and v.get("status") == "failed" for v in result.values()):
-        result["status"] = "failed"
-    return result
+        entry: dict[str, Any] = {"status": "ok"}
+        for dtype in _dtypes(device):
+            cases = []
+            for case in CASES:
+                if budget.left() <= 0:
+                    cases.append({"case": case.name, "status": "skipped", "reason": "time budget"})
+                    continue
+                try:
+                    cases.append(_case(kern, ref, case, device, dtype))
+                except Exception as exc:  # noqa: BLE001 - one case must not hide the others
+                    cases.append({"case": case.name, "status": "error", "error": f"{type(exc).__name__}: {exc}"})
+            per = {"cases": cases}
+            if budget.left() > 0:
+                try:
+                    per["timing"] = _timing(kern, sizes.kernel_timing_seq, device, dtype, sizes.heads)
+                    if "fwd" in per["timing"]:
+                        tflops.setdefault(name, {})[str(dtype).replace("torch.", "")] = {
+                            k: per["timing"][k] for k in ("fwd", "bwd", "seq", "heads")}
+                except Exception as exc:  # noqa: BLE001
+                    per["timing"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            if any(c["status"] in ("mismatch", "error") for c in cases):
+                entry["status"] = "failed"
+            entry[str(dtype).replace("torch.", "")] = per
+        failed |= entry["status"] == "failed"
+        backends[name] = entry
+    return {"status": "failed" if failed else "ok", "cases": len(CASES), "tflops": tflops, "backends": backends}
 
 
 # --------------------------------------------------------------------------------------------------
-def _zigzag_chunks(rank: int, p: int) -> tuple[int, int]:
-    """Chunks of the 2·P-way split that rank ``rank`` holds (Megatron's load-balanced layout)."""
-    return rank, 2 * p - 1 - rank
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Contiguous runs ``(start, length)`` of ``positions`` in the order they appear."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return [(a, n) for a, n in runs]
 
 
-def ring_schedule_forward(kern, q, k, v, p: int, scale: float) -> tuple[torch.Tensor, int]:
-    """Every rank's ring forward, one after another: q/k/v ``[b, s, h, d]`` -> (out ``[b, s, hq, d]``, blocks).
+def _rank_docs(held: list[int], docs: list[tuple[int, int]]) -> list[tuple[int, list[int], tuple]]:
+    """Per document ``(start, length)`` (global positions): (doc, local rows, doc-relative segments)."""
+    from megatron_longctx.attention.segments import Segment
 
-    Rank r holds chunks (r, 2P-1-r); at step j it sees the K/V of rank (r - j) mod P and calls the
-    kernel on each visible (query chunk, key chunk) pair, folding results with the online softmax.
-    """
-    from megatron_longctx.kernels.base import BlockArgs, BlockMask, Visibility
-    from megatron_longctx.kernels.merge import merge_into
-
-    s = q.shape[1]
-    c = s // (2 * p)
-    mask = BlockMask(causal=True)
-    out = torch.empty_like(q[..., : v.shape[-1]])
-    blocks = 0
-    for rank in range(p):
-        for qc in _zigzag_chunks(rank, p):
-            acc_out = acc_lse = None
-            for step in range(p):
-                src = (rank - step) % p
-                for kc in _zigzag_chunks(src, p):
-                    if mask.visibility(qc * c, c, kc * c, c) is Visibility.NONE:
-                        continue
-                    args = BlockArgs(softmax_scale=scale, mask=mask, q_start=qc * c, k_start=kc * c)
-                    o, lse = kern.forward(q[:, qc * c:(qc + 1) * c], k[:, kc * c:(kc + 1) * c],
-                                          v[:, kc * c:(kc + 1) * c], args)  # [b, c, hq, d], [b, hq, c]
-                    acc_out, acc_lse = merge_into(acc_out, acc_lse, o, lse)
-                    blocks += 1
-            out[:, qc * c:(qc + 1) * c] = acc_out.to(out.dtype)
-    return out, blocks
+    out = []
+    for d, (start, length) in enumerate(docs):
+        rows = [i for i, p in enumerate(held) if start <= p < start + length]
+        segs = tuple(Segment(a - start, n) for a, n in _runs([held[i] for i in rows]))
+        out.append((d, rows, segs))
+    return out
 
 
-def section_ring_overhead(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
-    from megatron_longctx.kernels.base import BlockArgs, BlockMask
+def _layout(kind: str, s: int, p: int, mask) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Global positions each rank holds, and the documents ``(start, length)``."""
+    from megatron_longctx.attention import Packing, shard_packed, shard_sequence
+
+    if kind != "packed":
+        index = torch.arange(s)
+        return [shard_sequence(index, r, p, 0).tolist() for r in range(p)], [(0, s)]
+    lengths = [s // 2 - 3 * p, s // 4 + p, s // 8 + 2 * p - 1, s // 8 - 5]  # uneven, padded per document
+    packing = Packing.from_lengths(lengths, p)
+    padded = packing.cu_seqlens_padded
+    index = torch.arange(padded[-1])
+    docs = [(padded[i], lengths[i]) for i in range(len(lengths))]
+    return [shard_packed(index, packing, r, p, 0).tolist() for r in range(p)], docs
+
+
+def _schedule(kind: str, s: int, p: int, mask) -> tuple[list, list, list, int]:
+    """Every rank's ring calls: ``steps[t][r]`` = [(q rows, k rows, calls)] per document; pairs."""
+    from megatron_longctx.attention.segments import plan_blocks
+
+    held, docs = _layout(kind, s, p, mask)
+    per_rank = [_rank_docs(h, docs) for h in held]
+    steps, pairs = [], 0
+    for t in range(p):
+        step = []
+        for r in range(p):
+            calls = []
+            for (d, q_rows, q_segs), (_, k_rows, k_segs) in zip(per_rank[r], per_rank[(r - t) % p]):
+                if q_segs and k_segs:
+                    planned = plan_blocks(q_segs, k_segs, mask)
+                    pairs += sum(c.pairs for c in planned)
+                    calls.append((q_rows, k_rows, planned))
+            step.append(calls)
+        steps.append(step)
+    return held, docs, steps, pairs
+
+
+def _rows(rows: list[int], device: torch.device):
+    """A slice when ``rows`` are contiguous (a view: in-place merges land), else an index tensor."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
+
+
+def _device_plan(held, steps, device):
+    """Index tensors built once, outside the timed runs: per rank its global rows, per step its calls."""
+    held_t = [torch.tensor(h, device=device) for h in held]
+    plan = [[[(_rows(q_rows, device), _rows(k_rows, device), calls) for q_rows, k_rows, calls in step[r]]
+             for step in steps] for r in range(len(held))]
+    return held_t, plan
+
+
+def _run_ring(q, k, v, plan, scale, backend, dout=None):
+    """Run every rank's ring steps in turn; returns out, lse (and grads) in global order."""
+    from megatron_longctx.attention.segments import attend_segments, attend_segments_backward, new_accumulators
+
+    held, steps = plan
+    p = len(held)
+    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+    for r in range(p):
+        q_r = q[:, held[r]]  # [b, s/P, hq, d] this rank's queries
+        acc_o, acc_l = new_accumulators(q_r, v.shape[3])
+        for t, calls_t in enumerate(steps[r]):
+            k_idx = held[(r - t) % p]
+            k_r, v_r = k[:, k_idx], v[:, k_idx]  # [b, s/P, hkv, d] the K/V rank r holds at step t
+            for qs, ks, calls in calls_t:
+                o_view, l_view = acc_o[:, qs], acc_l[:, :, qs]
+                attend_segments(q_r[:, qs], k_r[:, ks], v_r[:, ks], calls, scale, backend, o_view, l_view)
+                if not isinstance(qs, slice):
+                    acc_o[:, qs], acc_l[:, :, qs] = o_view, l_view
+        out[:, held[r]], lse[:, :, held[r]] = acc_o.float(), acc_l.float()
+    if dout is None:
+        return out, lse, None
+    grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+    o_lo = out.to(q.dtype)
+    for r in range(p):  # backward with the final out / lse of every row (what the ring's backward uses)
+        q_idx = held[r]
+        for t, calls_t in enumerate(steps[r]):
+            k_idx = held[(r - t) % p]
+            for qs, ks, calls in calls_t:
+                qi, ki = q_idx[qs], k_idx[ks]  # global rows of this call group
+                dq, dk, dv = (torch.zeros(q.shape[0], len(x), y.shape[2], y.shape[3], device=q.device)
+                              for x, y in ((qi, q), (ki, k), (ki, v)))
+                attend_segments_backward(dout[:, qi], q[:, qi], k[:, ki], v[:, ki], o_lo[:, qi],
+                                         lse[:, :, qi].contiguous(), calls, scale, backend, dq, dk, dv)
+                grads[0][:, qi] += dq
+                grads[1][:, ki] += dk
+                grads[2][:, ki] += dv
+    return out, lse, grads
+
+
+def _single(kern, q, k, v, docs, mask, scale, dout):
+    """One kernel call per document over its tokens in natural order (one call for unpacked layouts)."""
+    from megatron_longctx.kernels.base import BlockArgs
+
+    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    args = BlockArgs(softmax_scale=scale, mask=mask)
+    for start, n in docs:
+        sl = slice(start, start + n)
+        o, lse = kern.forward(q[:, sl], k[:, sl], v[:, sl], args)
+        out[:, sl] = o
+        if dout is not None:
+            for g, x in zip(grads, kern.backward(dout[:, sl], q[:, sl], k[:, sl], v[:, sl], o, lse, args)):
+                g[:, sl] = x
+    return out, grads
+
+
+def _ring_row(kern, kind: str, p: int, q, k, v, dout, mask, s: int, t_single_cache: dict) -> dict:
+    from megatron_longctx.attention import schedule_flops
+    from megatron_longctx.attention.segments import visible_pairs
+
+    d = q.shape[3]
+    scale = d ** -0.5
+    held, docs, steps, pairs = _schedule(kind, s, p, mask)
+    exact = sum(visible_pairs(mask, 0, n, 0, n) for _, n in docs)
+    row: dict[str, Any] = {"layout": kind, "cp": p, "calls": sum(len(c[2]) for st in steps for r in st for c in r),
+                           "pairs": pairs, "exact_pairs": exact}
+    if kind != "packed":
+        flops = sum(schedule_flops("ring", p, s, causal=mask.causal, window_size=mask.window, d_qk=d))
+        row["schedule_flops_agree"] = flops == 4 * d * pairs
+    plan = _device_plan(held, steps, q.device)
+    out, lse, grads = _run_ring(q, k, v, plan, scale, kern.name, dout)
+    ref_out, ref_grads = _single(kern, q, k, v, docs, mask, scale, dout)
+    real = torch.tensor([i for a, n in docs for i in range(a, a + n)], device=q.device)
+    errs = {"out": _rel_err(out[:, real], ref_out[:, real])}
+    errs.update({n: _rel_err(g[:, real], r[:, real]) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    row["max_rel_err"] = errs
+    key = (kind, p if kind == "packed" else 0)  # packed documents depend on P (padding per document)
+    if key not in t_single_cache:
+        t_single_cache[key] = _time(lambda: _single(kern, q, k, v, docs, mask, scale, None), q.device)
+    t_ring = _time(lambda: _run_ring(q, k, v, plan, scale, kern.name), q.device, reps=2)
+    row.update(single_call_ms=t_single_cache[key] * 1e3, schedule_ms=t_ring * 1e3,
+               efficiency=t_single_cache[key] / t_ring)
+    ok = pairs == exact and row.get("schedule_flops_agree", True) and max(errs.values()) <= _tol(q.dtype)
+    row["status"] = "ok" if ok else "failed"
+    return row
+
+
+def section_ring(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
+    from megatron_longctx.kernels.base import BlockMask
     from megatron_longctx.kernels.select import get_kernel
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -130,22 +290,24 @@ def section_ring_overhead(device: torch.device, sizes: Sizes, budget: Budget) ->
     hq, hkv, d = sizes.heads
     s = sizes.ring_tokens
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, s, h, d, device=device, dtype=dtype, generator=g) for h in (hq, hkv, hkv))
-    args = BlockArgs(softmax_scale=d ** -0.5, mask=BlockMask(causal=True))
-    single_out, _ = kern.forward(q, k, v, args)
-    t_single = _time(lambda: kern.forward(q, k, v, args), device)
-    rows = []
-    for p in sizes.ring_sizes:
-        if budget.left() < 3 * t_single + 1:
-            rows.append({"cp": p, "status": "skipped", "reason": "time budget"})
-            continue
-        out, blocks = ring_schedule_forward(kern, q, k, v, p, d ** -0.5)
-        t_ring = _time(lambda: ring_schedule_forward(kern, q, k, v, p, d ** -0.5), device)
-        rows.append({"cp": p, "tokens_per_rank": s // p, "blocks": blocks, "single_call_ms": t_single * 1e3,
-                     "schedule_ms": t_ring * 1e3, "efficiency": t_single / t_ring,
-                     "overhead_per_block_us": (t_ring - t_single) / blocks * 1e6,
-                     "max_rel_err_vs_single_call": _rel_err(out, single_out)})
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    bad = [r for r in rows if r.get("max_rel_err_vs_single_call", 0.0) > tol]
-    return {"backend": kern.name, "tokens": s, "heads": list(sizes.heads), "rows": rows,
-            "status": "failed" if bad else "ok", "note": "forward only; one GPU runs the P ranks' blocks in turn"}
+    n = s + 8 * max(sizes.ring_sizes)  # room for the packed layout's per-document padding
+    q_all, k_all, v_all = (torch.randn(1, n, h, d, device=device, dtype=dtype, generator=g) for h in (hq, hkv, hkv))
+    dout_all = torch.randn(1, n, hq, d, device=device, dtype=dtype, generator=g)
+    masks = {"causal": BlockMask(causal=True), "window": BlockMask(causal=True, window=(s // 16, -1)),
+             "packed": BlockMask(causal=True)}
+    rows, cache = [], {}
+    for kind, mask in masks.items():
+        for p in sizes.ring_sizes:
+            if budget.left() <= 0:
+                rows.append({"layout": kind, "cp": p, "status": "skipped", "reason": "time budget"})
+                continue
+            m = n if kind == "packed" else s
+            q, k, v, dout = (t[:, :m] for t in (q_all, k_all, v_all, dout_all))
+            try:
+                rows.append(_ring_row(kern, kind, p, q, k, v, dout, mask, s, cache))
+            except Exception as exc:  # noqa: BLE001 - one layout must not hide the others
+                rows.append({"layout": kind, "cp": p, "status": "error", "error": f"{type(exc).__name__}: {exc}"})
+    bad = [r for r in rows if r["status"] in ("failed", "error")]
+    return {"backend": kern.name, "tokens": s, "heads": list(sizes.heads), "dtype": str(dtype), "rows": rows,
+            "status": "failed" if bad else "ok",
+            "note": "one device runs the P ranks' blocks in turn; efficiency = one call / the whole schedule"}

@@ -27,35 +27,39 @@ class Budget:
 class Sizes:
     """Problem sizes: real ones on a GPU, tiny ones for the CPU dry run."""
 
-    kernel_cases: tuple  # (b, s, hq, hkv, d, window_left)
     kernel_timing_seq: int
     ring_tokens: int
     ring_sizes: tuple
-    heads: tuple  # (hq, hkv, d) for ring/offload
-    offload_layers: int
-    offload_tokens: int
-    offload_hidden: int
+    heads: tuple  # (hq, hkv, d) for kernel timing and the ring
+    offload_model: dict  # GPTModel shape of the offload section
+    offload_seq: int
+    gpt_model: dict  # the tiny GPTModel of the CP=1 training step
+    gpt_seq: int
     stack: dict  # max_seq model shape
     seq_start: int
     seq_cap: int
     seq_granularity: int
+    numerics_seq: int  # sequence of max_seq's numerics check (all features against none)
 
 
+_LLAMA3_8B = dict(num_layers=2, hidden_size=4096, num_attention_heads=32, num_query_groups=8, kv_channels=128,
+                  ffn_hidden_size=14336, vocab_size=128256)
 GPU_SIZES = Sizes(
-    kernel_cases=((1, 4096, 32, 8, 128, -1), (2, 2048, 16, 16, 64, -1), (1, 4096, 32, 8, 128, 1024)),
     kernel_timing_seq=16384, ring_tokens=65536, ring_sizes=(2, 4, 8), heads=(32, 8, 128),
-    offload_layers=8, offload_tokens=16384, offload_hidden=4096,
-    stack=dict(num_layers=2, hidden_size=4096, num_attention_heads=32, num_query_groups=8, kv_channels=128,
-               ffn_hidden_size=14336, vocab_size=128256),
-    seq_start=65536, seq_cap=1 << 23, seq_granularity=16384,
+    offload_model=dict(num_layers=4, hidden_size=2048, num_attention_heads=16, num_query_groups=8, kv_channels=128,
+                       ffn_hidden_size=5632, vocab_size=32000),
+    offload_seq=16384,
+    gpt_model=dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4, kv_channels=32,
+                   ffn_hidden_size=512, vocab_size=1024),
+    gpt_seq=2048,
+    stack=_LLAMA3_8B, seq_start=65536, seq_cap=1 << 23, seq_granularity=16384, numerics_seq=8192,
 )
+_TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+             ffn_hidden_size=128, vocab_size=256)
 CPU_SIZES = Sizes(
-    kernel_cases=((1, 64, 4, 2, 16, -1), (1, 64, 4, 4, 8, 16)),
-    kernel_timing_seq=128, ring_tokens=256, ring_sizes=(2, 4), heads=(4, 2, 16),
-    offload_layers=3, offload_tokens=128, offload_hidden=64,
-    stack=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-               ffn_hidden_size=128, vocab_size=256),
-    seq_start=64, seq_cap=256, seq_granularity=32,
+    kernel_timing_seq=128, ring_tokens=256, ring_sizes=(2, 4, 8), heads=(4, 2, 16),
+    offload_model=_TINY, offload_seq=64, gpt_model=_TINY, gpt_seq=64,
+    stack=_TINY, seq_start=64, seq_cap=256, seq_granularity=32, numerics_seq=64,
 )
 
 

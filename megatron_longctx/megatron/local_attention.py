@@ -4,11 +4,17 @@ The path :class:`~megatron_longctx.megatron.core_attention.ContextParallelAttent
 sequence is not split: no communication, ``torch.nn.functional.scaled_dot_product_attention``
 (FlashAttention-2, Dao 2023, arXiv:2307.08691, on CUDA; fused math on CPU), K/V heads grouped
 (GQA) without expanding them, attention dropout supported.
+
+No call reads a device tensor back to the host on its own: the packed layout's ``cu_seqlens`` are
+copied to the host once (one transfer for all of them) and cached on the tensor objects, which
+Megatron shares across the layers of a batch and its recompute; whether a row of a causal/windowed
+block sees no key is worked out from the shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +60,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentio
     visible = _visible(sq, sk, args, q.device)
     if dense_mask is not None:
         visible = dense_mask if visible is None else visible & dense_mask
-    if visible is not None and bool((~visible.any(-1)).any()):
+    # a user's dense mask must be read back to know; the window alone is known on the host
+    empty_rows = bool((~visible.any(-1)).any()) if dense_mask is not None else _empty_rows(sq, sk, args)
+    if visible is not None and empty_rows:
         # Rows that see nothing give NaN in SDPA; do it by hand so they give 0 like the kernels do.
         groups = q.shape[1] // k.shape[1]
         # [b, hkv, sk, d] -> [b, hq, sk, d]
@@ -63,6 +71,38 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentio
         q, k, v, attn_mask=visible, dropout_p=args.dropout_p, scale=args.softmax_scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )  # [b, hq, sq, dv]; K/V heads grouped, not expanded
+
+
+def _empty_rows(sq: int, sk: int, args: LocalAttentionArgs) -> bool:
+    """Whether some query row of the bottom-right aligned causal/window mask sees no key (host only)."""
+    left, right = args.window_size if args.window_size is not None else (-1, -1)
+    if args.causal:
+        right = 0
+    shift = sk - sq  # query i sits at key position i + shift
+    first_hi = shift + right if right >= 0 else sk  # the last key row 0 may see
+    last_lo = sq - 1 + shift - left if left >= 0 else -1  # the first key the last row may see
+    return first_hi < 0 or last_lo > sk - 1
+
+
+_HOST: dict[int, tuple[weakref.ref, int, list[int]]] = {}  # id(tensor) -> (tensor, version, values)
+
+
+def _cached(t: torch.Tensor) -> bool:
+    entry = _HOST.get(id(t))
+    return entry is not None and entry[0]() is t and entry[1] == t._version
+
+
+def host_offsets(*tensors: torch.Tensor) -> list[list[int]]:
+    """The values of 1-D integer ``tensors`` as host lists: one device-to-host transfer for those not yet
+    cached; cached on each tensor object until it is modified in place (its version changes)."""
+    todo = list({id(t): t for t in tensors if not _cached(t)}.values())
+    if todo:
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in todo]).tolist()  # one transfer
+        for t in todo:
+            if id(t) not in _HOST:
+                weakref.finalize(t, _HOST.pop, id(t), None)
+            _HOST[id(t)], flat = (weakref.ref(t), t._version, flat[: t.numel()]), flat[t.numel():]
+    return [_HOST[id(t)][2] for t in tensors]
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentionArgs,
@@ -95,10 +135,12 @@ def local_attention_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args:
     tokens between documents get a zero output.
     """
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])  # [t, hq, dv]
-    starts_q = (cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q).tolist()
-    starts_k = (cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_kv).tolist()
-    lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    lens_k = (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).tolist()
+    cu_q, cu_k, starts_q, starts_k = host_offsets(
+        cu_seqlens_q, cu_seqlens_kv,
+        cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q,
+        cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_kv)
+    lens_q = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    lens_k = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
     pieces, rows = [], []
     for sq0, lq, sk0, lk in zip(starts_q, lens_q, starts_k, lens_k):
         if lq == 0:

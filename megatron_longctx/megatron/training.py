@@ -163,7 +163,7 @@ def preimport_megatron() -> None:
     for name in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
                  "megatron.core.pipeline_parallel", "megatron.core.models.gpt.gpt_layer_specs",
                  "megatron.core.datasets.gpt_dataset", "megatron_longctx.megatron.spec",
-                 "megatron_longctx.megatron.core_attention", "megatron_longctx.memory.spec",
+                 "megatron_longctx.megatron.core_attention", "megatron_longctx.megatron.memory_spec",
                  "megatron_longctx.kernels.select"):
         try:
             importlib.import_module(name)

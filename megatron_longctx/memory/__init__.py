@@ -15,9 +15,9 @@ import importlib
 from megatron_longctx.memory.config import MemoryConfig  # noqa: F401 - public name
 
 _LAZY = {
-    "apply_memory_to_layer_spec": "megatron_longctx.memory.spec",
-    "install": "megatron_longctx.memory.spec",
-    "MemoryHandle": "megatron_longctx.memory.spec",
+    "apply_memory_to_layer_spec": "megatron_longctx.megatron.memory_spec",
+    "install": "megatron_longctx.megatron.memory_spec",
+    "MemoryHandle": "megatron_longctx.megatron.memory_spec",
     "ActivationOffloader": "megatron_longctx.memory.offload",
     "tiled_logits_loss": "megatron_longctx.memory.tiled_loss",
     "TiledMLP": "megatron_longctx.memory.tiled_mlp",

@@ -1,38 +1,53 @@
 """Activation offload through saved-tensor hooks: host (pinned pool) or disk, asynchronous, prefetched.
 
-Forward: a tensor autograd saves inside an offloaded scope is copied off the device (a side CUDA
-stream and an event on GPU; a background writer on CPU) and the device copy is released once the copy
-has landed.  Backward: the first unpack of a layer's tensors fetches that whole layer and starts
-fetching the layer before it (backward runs layers in reverse), so the next layer's tensors arrive while
-this layer computes.  Ideas from ALST (checkpoint offload, arXiv:2506.13996) and Megatron/TE activation
-offloading (NVIDIA/Megatron-LM), rebuilt without Transformer Engine, with recompute and PP.
+Forward: a tensor autograd saves inside an offloaded scope is copied off the device on a side CUDA
+stream (:mod:`.streams` states the exact stream contract); the offloader keeps no reference to the
+device copy, and ``record_stream`` keeps the caching allocator from reusing it before the copy has
+landed, so the device memory is released then, whoever calls what.  At most ``offload_max_inflight``
+copies are pending: the next one waits for the oldest, which bounds the device memory waiting on
+copies across layers, micro-batches and steps.  The last layer of a micro-batch is no exception: its
+device copies are gone before backward, which brings back one copy.  Disk: the device copy is staged
+through a pinned pool buffer on the side stream and an I/O worker writes it (:mod:`.offload_disk`).
+
+Backward: the first unpack of a layer's tensors fetches that whole layer and starts fetching the
+layer before it in the same model chunk (backward runs layers in reverse; a virtual-pipeline chunk's
+first layer never prefetches the previous chunk's last layer, whose backward is scheduled elsewhere).
+Restored buffers are allocated on the compute stream, like the tensors autograd would have kept.
+Ideas from ALST (checkpoint offload, arXiv:2506.13996) and Megatron/TE activation offloading
+(NVIDIA/Megatron-LM), rebuilt without Transformer Engine, with recompute and PP.
 
 Policies (``MemoryConfig.offload_policy``): ``checkpoint`` — only what a full-recompute layer keeps, its
 input; ``modules`` — tensors saved inside named modules; ``layers`` — everything saved in the first N
-layers.  Parameters are never offloaded.  A tensor is offloaded per *storage*: views of one storage
-(and a tensor several layers save, like RoPE tables) travel once.  The host pool is bounded: a tensor
-past the bound stays where it is and is counted, never an out-of-memory error.  On a CPU-only process
-``host`` cannot lower memory (the tensor already lives in host memory): such tensors are left in
-place and counted as ``host_noop_bytes``; ``disk`` is what lowers resident memory there.
+layers.  Parameters are never offloaded (nor views of them: their storage addresses are re-read at
+every micro-batch, so ``.cuda()`` after CPU initialisation or a DDP parameter buffer is seen), nor
+tensor subclasses (FP8 weights, DTensor...: counted as ``subclass_kept_bytes``).  A tensor is offloaded
+per *storage*: views of one storage (and a tensor several layers save, like RoPE tables) travel once.
+The host pool is bounded (cached buffers included): a tensor past the bound stays where it is and is
+counted, never an out-of-memory error.  On a CPU-only process ``host`` cannot lower memory (the
+tensor already lives in host memory): such tensors are left in place and counted as
+``host_noop_bytes``; ``disk`` is what lowers resident memory there.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
-import contextlib
 import dataclasses
 import os
-import shutil
-import tempfile
 import threading
+import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
-import numpy as np
 import torch
 
-from megatron_longctx.memory import hooks
+from megatron_longctx.kernels.cuda_presence import unusable_gpu_reason
+from megatron_longctx.memory import hooks, streams
 from megatron_longctx.memory.config import MemoryConfig
+from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.offload_disk import RunDir, default_root, read_file, remove_file, write_file
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclasses.dataclass
@@ -44,32 +59,11 @@ class OffloadStats:
     deduplicated_bytes: int = 0  # views / shared tensors that reused a storage already offloaded
     kept_over_bound_bytes: int = 0  # the host pool was full: left on the device
     host_noop_bytes: int = 0  # target host but the tensor is already in host memory
+    subclass_kept_bytes: int = 0  # tensor subclasses (FP8, DTensor...) are left to autograd
     fetched_bytes: int = 0
     prefetched_groups: int = 0
-
-
-class _HostPool:
-    """Pinned host buffers bounded by ``capacity`` bytes; freed buffers are reused by size."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity, self.used = capacity, 0
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> Optional[torch.Tensor]:
-        with self._lock:
-            if self.used + nbytes > self.capacity:
-                return None
-            self.used += nbytes
-            free = self._free.get(nbytes)
-            if free:
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self.used -= buf.numel()
-            self._free.setdefault(buf.numel(), []).append(buf)
+    waited_copies: int = 0  # copies the offloader waited for because offload_max_inflight were pending
+    param_refreshes: int = 0  # parameter address sets read (first use and after parameters moved)
 
 
 class _Stored:
@@ -77,87 +71,79 @@ class _Stored:
 
     def __init__(self, offloader: "ActivationOffloader", src: torch.Tensor, group: tuple) -> None:
         self.device, self.nbytes, self.group = src.device, src.numel(), group
+        self.on_device = offloader.ops.is_device(src)
         self._off = offloader
-        self._src: Optional[torch.Tensor] = src  # kept alive until the copy has landed
-        self._host: Optional[torch.Tensor] = None
+        self._host: Optional[torch.Tensor] = None  # pool buffer (host target)
         self._path: Optional[str] = None
         self._write: Optional[cf.Future] = None
         self._read: Optional[cf.Future] = None
-        self._copied: Any = None  # CUDA event of the device-to-host copy
-        self._fetched: Any = None  # CUDA event of the host-to-device copy
+        self._copied: Any = None  # event of the device-to-host copy
+        self._fetched: Any = None  # event of the host-to-device copy
         self._restored: Optional[torch.Tensor] = None
 
-    # -- forward ---------------------------------------------------------------------------------
-    def start_to_host(self, host: torch.Tensor) -> None:
+    # -- forward: ``src`` is not kept; the caller drops the last reference the offloader has ------------
+    def _copy_off(self, src: torch.Tensor, host: torch.Tensor) -> Any:
+        ops, side = self._off.ops, self._off.side_stream(src.device)
+        ops.wait_stream(side, ops.current(src.device))  # the copy reads the finished tensor
+        with ops.use(side):
+            ops.copy(host, src)
+            event = ops.record_event(side)
+        ops.record_stream(src, side)  # its memory is not reused before the copy has landed
+        self._off.track_copy(event)
+        return event
+
+    def start_to_host(self, src: torch.Tensor, host: torch.Tensor) -> None:
         self._host = host
-        src = self._src
-        assert src is not None
-        if src.is_cuda:
-            stream = self._off.side_stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                host.copy_(src, non_blocking=True)
-                self._copied = torch.cuda.Event()
-                self._copied.record(stream)
-            self._off.pending.append(self)
-        else:
-            host.copy_(src)
-            self._src = None
+        self._copied = self._copy_off(src, host)
 
-    def start_to_disk(self, path: str) -> None:
+    def start_to_disk(self, src: torch.Tensor, path: str, staging: Optional[torch.Tensor]) -> None:
         self._path = path
-        src = self._src
-        assert src is not None
-        self._src = None
-        host = src.cpu() if src.is_cuda else src  # [n] uint8
-        self._write = self._off.submit_io(_write_file, host, path)
+        if self.on_device:  # staged through a pinned buffer; the worker waits for the copy, then writes
+            assert staging is not None
+            event = self._copy_off(src, staging)
+            self._write = self._off.submit_io(_write_staged, self._off, event, staging, path)
+        else:  # a CPU process: the worker writes the tensor itself and then lets it go
+            self._write = self._off.submit_io(write_file, src, path)
 
-    host_from_pool = property(lambda self: self._host is not None and self._path is None)
+    host_from_pool = property(lambda self: self._host is not None)
     host_buffer = property(lambda self: self._host)
     path = property(lambda self: self._path)
     write = property(lambda self: self._write)
-
-    def poll(self) -> bool:
-        """True once the device copy can be released (device-to-host copy done)."""
-        if self._copied is not None and self._copied.query():
-            self._src, self._copied = None, None
-        return self._src is None
 
     # -- backward --------------------------------------------------------------------------------
     def prefetch(self) -> None:
         if self._restored is not None or self._read is not None or self._fetched is not None:
             return
-        if self._src is not None and self._copied is None:  # never left (should not happen)
-            self._restored = self._src
-            return
         if self._path is not None:
-            write = self._write
-            self._read = self._off.submit_io(_read_after, write, self._path, self.nbytes)
+            self._read = self._off.submit_io(_read_after, self._write, self._path, self.nbytes)
             return
-        assert self._host is not None
-        if self.device.type == "cuda":
-            stream = self._off.side_stream()
-            with torch.cuda.stream(stream):
-                if self._copied is not None:
-                    stream.wait_event(self._copied)
-                self._restored = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-                self._restored.copy_(self._host, non_blocking=True)
-                self._fetched = torch.cuda.Event()
-                self._fetched.record(stream)
-        else:
-            self._restored = self._host
+        assert self._host is not None and self.on_device
+        ops, side = self._off.ops, self._off.side_stream(self.device)
+        compute = ops.current(self.device)
+        buf = ops.empty(self.nbytes, self.device)  # [nbytes] uint8, a compute-stream allocation
+        ops.wait_stream(side, compute)  # the block may have just been freed by compute-stream work
+        with ops.use(side):
+            if self._copied is not None:
+                ops.wait_event(side, self._copied)
+            ops.copy(buf, self._host)
+            self._fetched = ops.record_event(side)
+        ops.record_stream(buf, side)
+        self._restored = buf
 
     def get(self) -> torch.Tensor:
         """The storage's bytes back on their device, ``[nbytes]`` uint8."""
         self.prefetch()
+        ops = self._off.ops
         if self._read is not None:
-            data = self._read.result()
+            data = self._read.result()  # [nbytes] uint8 host
             self._read = None
-            self._restored = data.to(self.device, non_blocking=True) if self.device.type == "cuda" else data
+            if self.on_device:
+                buf = ops.empty(self.nbytes, self.device)
+                ops.copy(buf, data)  # on the compute stream
+                data = buf
+            self._restored = data
         if self._fetched is not None:
-            torch.cuda.current_stream().wait_event(self._fetched)
-            assert self._restored is not None
-            self._restored.record_stream(torch.cuda.current_stream())
+            ops.wait_event(ops.current(self.device), self._fetched)
             self._fetched = None
         assert self._restored is not None
         return self._restored
@@ -167,37 +153,36 @@ class _Stored:
 class _Resources:
     """What must be handed back when the last saved view of a storage is gone."""
 
-    pool: Optional[_HostPool] = None
+    pool: Optional[HostPool] = None
     host: Optional[torch.Tensor] = None
     path: Optional[str] = None
     write: Optional[cf.Future] = None
 
     def release(self) -> None:
         if self.pool is not None and self.host is not None:
-            self.pool.give(self.host)
+            self.pool.give(self.host)  # later users of a pool buffer are ordered on the same side stream
         self.host = None
         if self.path is not None:
             path, write = self.path, self.write
             self.path = None
             if write is None or write.done():
-                _remove(path)
+                remove_file(path)
             else:  # never block a finalizer on I/O
-                write.add_done_callback(lambda _: _remove(path))
+                write.add_done_callback(lambda _: remove_file(path))
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
-
-
-def _write_file(data: torch.Tensor, path: str) -> None:
-    data.numpy().tofile(path)
+def _write_staged(off: "ActivationOffloader", event: Any, staging: torch.Tensor, path: str) -> None:
+    try:
+        off.ops.sync_event(event)  # the device-to-host copy into ``staging`` has landed
+        write_file(staging, path)
+    finally:
+        off.pool.give(staging)
 
 
 def _read_after(write: Optional[cf.Future], path: str, nbytes: int) -> torch.Tensor:
     if write is not None:
-        write.result()
-    return torch.from_numpy(np.fromfile(path, dtype=np.uint8, count=nbytes))
+        write.result()  # re-raises a failed write (DiskOffloadError)
+    return read_file(path, nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,52 +196,93 @@ class _View:
     offset: int  # in elements of ``dtype``
 
 
+ParamSource = Union[Iterable[torch.Tensor], Callable[[], Iterable[torch.Tensor]]]
+
+
+def _storage_ptrs(t: torch.Tensor) -> list[int]:
+    """Storage addresses of a parameter; a wrapper subclass (e.g. FP8) gives those of its inner tensors."""
+    if type(t) not in _PLAIN and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [p for name in names for p in _storage_ptrs(getattr(t, name))]
+    try:
+        return [t.untyped_storage().data_ptr()]
+    except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass without flattening)
+        return []
+
+
 class ActivationOffloader:
     """Packer for :mod:`megatron_longctx.memory.hooks` that offloads by policy; see module docstring.
 
     The model wiring (:func:`megatron_longctx.memory.install`) opens :func:`hooks.layer_scope` around
     each transformer layer, :func:`hooks.module_scope` around named submodules, and calls
-    :meth:`next_microbatch` at every new forward of the first layer, so that pipeline schedules with
-    several micro-batches in flight key their tensors apart.
+    :meth:`next_microbatch` at every new forward of the first layer of each model chunk, so that
+    pipeline schedules with several micro-batches in flight key their tensors apart.
+
+    ``params``: the parameters (or a function returning them, re-read at every micro-batch).
+    ``chunk_starts``: indices of the layers that begin a model chunk (virtual pipeline stages).
     """
 
-    def __init__(self, cfg: MemoryConfig, params: tuple = (), num_layers: int = 0) -> None:
+    def __init__(self, cfg: MemoryConfig, params: ParamSource = (), num_layers: int = 0,
+                 chunk_starts: Iterable[int] = (0,), ops: Any = None) -> None:
         if not cfg.offload_enabled:
             raise ValueError("--longctx-offload-policy: is 'none'; choose checkpoint, modules or layers to offload")
         self.cfg, self.stats = cfg, OffloadStats()
-        self.pool = _HostPool(cfg.offload_host_pool_bytes)
-        self.pending: list[_Stored] = []
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.ops = ops if ops is not None else streams.device_ops()
+        self.pool = HostPool(cfg.offload_host_pool_bytes)
+        self.pending: collections.deque = collections.deque()  # events of copies not known to have landed
+        self._params = params if callable(params) else tuple(params)
+        self._param_ptrs: Optional[frozenset] = None  # read at the first use and every micro-batch
         self._num_layers = num_layers
+        self._chunk_starts = frozenset(chunk_starts)
         self._microbatch = 0
-        self._groups: dict[tuple, list[_Stored]] = {}
+        self._groups: dict[tuple, list[weakref.ref]] = {}
         self._shared: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-        self._stream: Any = None
+        self._streams: dict = {}
         self._io: Optional[cf.ThreadPoolExecutor] = None
+        self._io_error: Optional[BaseException] = None
         self._inflight = threading.BoundedSemaphore(cfg.offload_max_inflight)
-        self._dir: Optional[str] = None
-        self._own_dir = False
+        self._run_dir: Optional[RunDir] = None
         self._counter = 0
+        if cfg.offload_target == "host" and ops is None and not torch.cuda.is_available():
+            reason = unusable_gpu_reason()
+            if reason is not None:
+                warnings.warn(f"--longctx-offload-target host lowers no memory on the CPU, and {reason}",
+                              RuntimeWarning, stacklevel=2)
         if cfg.offload_target == "disk":
-            self._dir = cfg.offload_disk_dir or tempfile.mkdtemp(prefix="longctx-offload-")
-            self._own_dir = cfg.offload_disk_dir is None
-            os.makedirs(self._dir, exist_ok=True)
+            self._run_dir = RunDir(default_root(cfg))
             self._io = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="longctx-offload-io")
+
+    @property
+    def disk_dir(self) -> Optional[str]:
+        """This offloader's run directory (disk target), removed by :meth:`close`."""
+        return self._run_dir.path if self._run_dir is not None else None
 
     def next_microbatch(self) -> None:
         """Start keying tensors under a new micro-batch (and forget the storage-sharing table)."""
         self._microbatch += 1
         self._shared.clear()
         self._groups = {g: refs for g, refs in self._groups.items() if any(r() is not None for r in refs)}
+        self._param_ptrs = None  # parameters may have moved (.cuda(), a DDP buffer) since the last one
+        self.poll()
 
     # -- policy ----------------------------------------------------------------------------------
+    def _params_ptrs(self) -> frozenset:
+        if self._param_ptrs is None:
+            params = self._params() if callable(self._params) else self._params
+            self._param_ptrs = frozenset(p for t in params for p in _storage_ptrs(t))
+            self.stats.param_refreshes += 1
+        return self._param_ptrs
+
     def _wanted(self, t: torch.Tensor) -> bool:
         layer = hooks.current_layer()
         if layer is None or isinstance(t, torch.nn.Parameter):
             return False
         if t.numel() * t.element_size() < self.cfg.offload_min_bytes:
             return False
-        if t.untyped_storage().data_ptr() in self._param_ptrs:  # views of parameters (weight.t())
+        if type(t) not in _PLAIN:
+            self.stats.subclass_kept_bytes += t.numel() * t.element_size()
+            return False
+        if t.untyped_storage().data_ptr() in self._params_ptrs():  # views of parameters (weight.t())
             return False
         policy = self.cfg.offload_policy
         if policy == "modules":
@@ -269,7 +295,7 @@ class ActivationOffloader:
     def pack(self, t: torch.Tensor) -> Optional[_View]:
         if not self._wanted(t):
             return None
-        if self.cfg.offload_target == "host" and not t.is_cuda:
+        if self.cfg.offload_target == "host" and not self.ops.is_device(t):
             self.stats.host_noop_bytes += t.numel() * t.element_size()
             return None
         storage = t.untyped_storage()
@@ -281,6 +307,7 @@ class ActivationOffloader:
             src = (torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage) if whole
                    else t.detach().contiguous().view(-1).view(torch.uint8))
             stored = self._offload(src)
+            del src  # the offloader keeps no reference to the device copy
             if stored is None:
                 return None
             if whole:
@@ -298,7 +325,7 @@ class ActivationOffloader:
         if self.cfg.offload_prefetch:
             self._prefetch_group(stored.group)
             layer = stored.group[1]
-            if layer is not None and layer > 0:
+            if layer is not None and layer > 0 and layer not in self._chunk_starts:
                 self._prefetch_group((stored.group[0], layer - 1))
         data = stored.get()  # [nbytes] uint8
         self.stats.fetched_bytes += view.stored.nbytes
@@ -322,19 +349,21 @@ class ActivationOffloader:
         group = (self._microbatch, hooks.current_layer())
         nbytes = src.numel()
         stored = _Stored(self, src, group)
+        staged = self.cfg.offload_target == "host" or stored.on_device
+        host = self.pool.take(nbytes) if staged else None
+        if staged and host is None:
+            self.stats.kept_over_bound_bytes += nbytes
+            return None
         if self.cfg.offload_target == "host":
-            host = self.pool.take(nbytes)
-            if host is None:
-                self.stats.kept_over_bound_bytes += nbytes
-                return None
-            stored.start_to_host(host)
+            stored.start_to_host(src, host)
         else:
-            assert self._dir is not None
+            assert self._run_dir is not None
             self._counter += 1
-            stored.start_to_disk(os.path.join(self._dir, f"mb{group[0]}-l{group[1]}-{self._counter}.bin"))
+            path = os.path.join(self._run_dir.path, f"mb{group[0]}-l{group[1]}-{self._counter}.bin")
+            stored.start_to_disk(src, path, host)
         weakref.finalize(stored, _Resources.release, _Resources(
             self.pool if stored.host_from_pool else None, stored.host_buffer, stored.path, stored.write))
-        self._groups.setdefault(group, []).append(weakref.ref(stored))  # type: ignore[arg-type]
+        self._groups.setdefault(group, []).append(weakref.ref(stored))
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_tensors += 1
         return stored
@@ -349,38 +378,58 @@ class ActivationOffloader:
             if stored is not None:
                 stored.prefetch()
 
-    def poll(self) -> None:
-        """Release device copies whose device-to-host copy has landed (called after each layer)."""
-        self.pending = [s for s in self.pending if not s.poll()]
+    def track_copy(self, event: Any) -> None:
+        """A device-to-host copy was queued: forget the landed ones, wait for the oldest past the bound."""
+        self.poll()
+        self.pending.append(event)
+        while len(self.pending) > self.cfg.offload_max_inflight:
+            self.ops.sync_event(self.pending.popleft())
+            self.stats.waited_copies += 1
 
-    def side_stream(self) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
+    def poll(self) -> None:
+        """Forget copies that have landed (optional: device copies are released without it)."""
+        while self.pending and self.ops.done(self.pending[0]):  # one side stream: they land in order
+            self.pending.popleft()
+
+    def side_stream(self, device: torch.device) -> Any:
+        key = str(device)
+        if key not in self._streams:
+            self._streams[key] = self.ops.new_stream(device)
+        return self._streams[key]
 
     def submit_io(self, fn: Any, *args: Any) -> cf.Future:
         """Run ``fn`` on the I/O worker with at most ``offload_max_inflight`` jobs queued."""
         assert self._io is not None
+        if self._io_error is not None:
+            raise self._io_error
         self._inflight.acquire()
         future = self._io.submit(fn, *args)
-        future.add_done_callback(lambda _: self._inflight.release())
+        future.add_done_callback(self._io_done)
         return future
+
+    def _io_done(self, future: cf.Future) -> None:
+        self._inflight.release()
+        if not future.cancelled() and future.exception() is not None and self._io_error is None:
+            self._io_error = future.exception()  # raised in the training thread at the next offload
 
     def synchronize(self) -> None:
         """Wait until every copy/write started so far has landed (device memory then released)."""
         if self._io is not None:
             self._io.submit(lambda: None).result()  # one worker: everything queued before is done
-        if self._stream is not None:
-            self._stream.synchronize()
-        self.poll()
+        for stream in self._streams.values():
+            self.ops.sync_stream(stream)
+        self.pending.clear()
+        if self._io_error is not None:
+            raise self._io_error
 
     def close(self) -> None:
-        """Wait for outstanding I/O and remove the offload directory it created."""
+        """Wait for outstanding I/O and remove this offloader's run directory."""
         if self._io is not None:
             self._io.shutdown(wait=True)
             self._io = None
-        if self._own_dir and self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        if self._run_dir is not None:
+            self._run_dir.remove()
+        self.pool.clear()
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megatron_longctx.memory import MemoryConfig, hooks
-from megatron_longctx.memory.offload import ActivationOffloader, _HostPool
+from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.offload import ActivationOffloader
 from tests.dist import megatron_parallel, run_ranks
 from tests.memory.gpt import assert_same, build_gpt, cpu, loss_and_grads
 
@@ -65,8 +66,11 @@ def test_disk_offload_releases_activations_and_restores_them(tmp_path):
     assert off.stats.offloaded_bytes > 0 and off.stats.fetched_bytes >= off.stats.offloaded_bytes
     gc.collect()
     off.synchronize()
-    assert os.listdir(tmp_path) == []  # files are removed once backward has used them
+    run_dir = off.disk_dir
+    assert os.path.dirname(run_dir) == str(tmp_path)
+    assert sorted(os.listdir(run_dir)) == [".lock"]  # files are removed once backward has used them
     off.close()
+    assert os.listdir(tmp_path) == []  # and the run directory at close
 
 
 def test_parameters_are_never_offloaded():
@@ -118,7 +122,7 @@ def test_host_target_on_cpu_is_counted_not_pretended():
 
 
 def test_host_pool_is_bounded():
-    pool = _HostPool(capacity=1000)
+    pool = HostPool(capacity=1000)
     a = pool.take(600)
     assert a is not None and pool.take(600) is None  # past the bound: the caller keeps the tensor
     pool.give(a)
@@ -212,3 +216,57 @@ def _microbatches_in_flight():
 
 def test_microbatches_in_flight_are_keyed_apart():
     run_ranks(2, _microbatches_in_flight)
+
+
+_POOL_RSS = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+from megatron_longctx.memory.host_pool import HostPool
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+pool = HostPool(16 << 20, pin=False)
+base = rss()
+peak = 0
+for i in range(300):  # 300 different sizes of 1..3 MiB, each written (as a copy would) and given back
+    buf = pool.take((1 << 20) + i * 7 * 1024)
+    if buf is not None:
+        buf.fill_(1)
+        pool.give(buf)
+    assert pool.held <= 16 << 20
+    peak = max(peak, rss() - base)
+print(peak, pool.held, pool.evicted_bytes, pool.refused)
+"""
+
+
+def test_host_pool_bound_counts_cached_buffers_rss():
+    """16 MiB bound, buffers of 300 sizes taken and given back: what the process keeps stays under it."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # each buffer its own mapping: RSS = what is held
+    proc = subprocess.run([sys.executable, "-c", _POOL_RSS.format(root=root)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    peak, held, evicted, refused = map(int, proc.stdout.split())
+    assert held <= 16 << 20 and evicted > 250 << 20 and refused == 0
+    assert peak <= (16 << 20) + (4 << 20), f"RSS grew by {peak / 2**20:.1f} MiB with a 16 MiB pool"
+
+
+def test_host_pool_refuses_past_the_bound_and_evicts_other_sizes():
+    pool = HostPool(capacity=1000, pin=False)
+    a = pool.take(600)
+    assert pool.take(500) is None and pool.refused == 1  # 600 handed out + 500 > 1000
+    pool.give(a)
+    b = pool.take(500)  # the cached 600 is freed to make room
+    assert b is not None and pool.cached == 0 and pool.evicted_bytes == 600 and pool.held == 500
+
+
+def test_pinned_pool_charges_the_rounded_block():
+    """Pinned blocks are powers of two in PyTorch's host allocator: the bound counts what they hold."""
+    pool = HostPool(capacity=4096, pin=True)
+    assert pool.charge(3000) == 4096 and pool.charge(4096) == 4096 and pool.charge(1) == 1
+    assert HostPool(capacity=4096, pin=False).charge(3000) == 3000

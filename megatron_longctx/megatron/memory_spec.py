@@ -1,4 +1,5 @@
-"""Wire the memory features into Megatron: a layer-spec edit and hooks on a built model.
+"""Wire the memory features (:mod:`megatron_longctx.memory`) into Megatron: a layer-spec edit and hooks
+on a built model.
 
 :func:`apply_memory_to_layer_spec` makes the spec build a :class:`TiledMLP` (same parameters and keys).
 :func:`install` puts the rest on a built model and returns a handle whose ``remove()`` undoes it:
@@ -11,6 +12,10 @@
    the checkpoint so it sees exactly what a recomputed layer keeps, its inputs (ALST checkpoint
    offload); the discard packer sits inside the offload packer so a norm output is recomputed rather
    than offloaded.
+
+The offloader reads the model's parameters afresh at every micro-batch (Megatron moves them after the
+model is built: ``.cuda()`` after ``--use-cpu-initialization``, the DDP parameter buffer of
+``--use-distributed-optimizer``), and learns which layers begin a model chunk (virtual pipeline).
 """
 
 from __future__ import annotations
@@ -153,8 +158,6 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
             finally:
                 if discard is not None:
                     discard.clear()
-                if offloader is not None:
-                    offloader.poll()
 
     layer.forward = forward
     return lambda: layer.__dict__.pop("forward", None) if layer.__dict__.get("forward") is forward else None
@@ -172,8 +175,17 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     chunks = _unwrap(model)
     _validate_against_model(cfg, chunks)
     layers = _transformer_layers(chunks)
-    params = tuple(p for chunk in chunks for p in chunk.parameters())
-    offloader = ActivationOffloader(cfg, params, len(layers)) if cfg.offload_enabled else None
+    starts, seen = [], 0
+    for chunk in chunks:
+        in_chunk = len(_transformer_layers([chunk]))
+        if in_chunk:
+            starts.append(seen)
+        seen += in_chunk
+    offloader = None
+    if cfg.offload_enabled:
+        # A function, not a tuple: parameters are re-read after Megatron moves or remaps them.
+        offloader = ActivationOffloader(cfg, lambda: (p for chunk in _unwrap(model) for p in chunk.parameters()),
+                                        len(layers), chunk_starts=starts)
     handle = MemoryHandle(cfg=cfg, layers=layers, offloader=offloader)
     if cfg.tiled_mlp_tiles > 1:
         tiled = tiled_mlp_type()
@@ -204,9 +216,8 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     recomputed = set()
     if cfg.recompute_granularity == "full":
         recomputed = set(full_recompute_layers(len(layers), cfg.recompute_method, cfg.recompute_num_layers))
-    first_of_chunk = {id(_transformer_layers([c])[0]) for c in chunks if _transformer_layers([c])}
     for index, layer in enumerate(layers):
-        handle.removers.append(_wrap_layer(layer, index, id(layer) in first_of_chunk, cfg, index in recomputed,
+        handle.removers.append(_wrap_layer(layer, index, index in starts, cfg, index in recomputed,
                                            offloader, discard))
     return handle
 
