@@ -1,0 +1,205 @@
+"""Achieved shares of peak for GEMMs and attention, per GPU generation and kernel backend, and calibration.
+
+Attention efficiency is (7·b·s²·H causal fwd+bwd FLOPs, the count of :func:`.timing.attention_flops`) /
+(seconds × dense bf16 peak): the table holds one kernel call's value, and a step with CP > 1 keeps
+:data:`CP_STEP_FACTOR` of it (blocks split for load balance, online-softmax merges, launches);
+``--attention-efficiency`` gives the in-step value directly.  Matmul efficiency is the model's GEMM FLOPs / (seconds × the peak of the GEMM
+precision: bf16, or FP8 with ``--fp8-format``).  Every default carries its source; each comes as
+(low, expected, high) so that ``plan`` prints a range, and ``--attention-efficiency`` /
+``--matmul-efficiency`` or a measured ``gpu_check`` JSON (``--calibrate``) replace it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+# Attention kernel backends the planner knows.  "auto" is the plugin's automatic pick on a CUDA
+# machine (flash-attn 2, else torch SDPA's flash kernel, which is FlashAttention-2 too).
+ATTENTION_BACKENDS = ("auto", "flash_attn2", "sdpa_cuda", "flash_attn3", "te_cudnn")
+# Backends that expand K/V (and, in backward, dK/dV) to every query head for GQA.
+GQA_EXPANDING_BACKENDS = ("auto", "flash_attn2", "sdpa_cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """An efficiency as (low, expected, high) shares of peak; ``source`` says where it comes from."""
+
+    low: float
+    expected: float
+    high: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low <= self.expected <= self.high <= 1:
+            raise ValueError(f"efficiency band ({self.low}, {self.expected}, {self.high}) must satisfy "
+                             "0 < low <= expected <= high <= 1")
+
+    @staticmethod
+    def fixed(value: float, source: str, spread: float = 0.1) -> "Band":
+        """A user- or measurement-given value with ±``spread`` around it (capped at 1)."""
+        return Band(value * (1 - spread), value, min(1.0, value * (1 + spread)), source)
+
+
+# Attention kernels alone, fwd+bwd, as a share of the dense bf16 peak (7·s²·H FLOPs).
+_FA2 = ("FlashAttention-2 fwd+bwd reaches ~35% of H100 bf16 peak (FlashAttention-3 paper, Shah et al. 2024, "
+        "Fig. 5-6 baselines)")
+_FA3 = "FlashAttention-3 fwd 60-75%, bwd 45-55% of H100 bf16 peak (Shah et al. 2024)"
+_CUDNN = ("cuDNN 9 fused attention (TE) ~ FlashAttention-3 class on Hopper; 0.53 x CP_STEP_FACTOR 0.6 = 0.32 "
+          "reproduces NeMo's Llama-2-7B H100 long-sequence table (6 rows, 32K-1M) within 4%")
+ATTENTION: dict[tuple[str, str], Band] = {
+    ("hopper", "te_cudnn"): Band(0.47, 0.53, 0.60, _CUDNN),
+    ("hopper", "flash_attn3"): Band(0.45, 0.53, 0.62, _FA3),
+    ("hopper", "flash_attn2"): Band(0.30, 0.35, 0.40, _FA2),
+    ("hopper", "sdpa_cuda"): Band(0.30, 0.35, 0.40, _FA2 + "; SDPA's flash kernel is FlashAttention-2"),
+    ("hopper", "auto"): Band(0.30, 0.35, 0.40, _FA2 + "; auto serves flash-attn 2 or SDPA's FA2 on NGC"),
+    # Blackwell: NeMo's Llama-3-8B B200 FP8 table holds ~1,600 model TFLOP/s (NeMo convention) at 1M with
+    # TE/cuDNN where attention dominates: ~0.35 of the 2,250 bf16 peak in-step, i.e. ~0.58 alone.
+    ("blackwell", "te_cudnn"): Band(0.50, 0.58, 0.66, "NeMo Llama-3-8B B200 FP8 long-sequence table, /0.6"),
+    ("blackwell", "flash_attn3"): Band(0.25, 0.32, 0.40, "FA3 targets Hopper's wgmma; on Blackwell ~ FA2"),
+    ("blackwell", "flash_attn2"): Band(0.20, 0.27, 0.34, "FA2 (mma.sync) on Blackwell: below its Hopper share"),
+    ("blackwell", "sdpa_cuda"): Band(0.20, 0.27, 0.34, "SDPA's flash kernel = FA2 on Blackwell"),
+    ("blackwell", "auto"): Band(0.20, 0.27, 0.34, "auto = FA2 / SDPA on Blackwell"),
+    # Ampere: FA2 reaches 50-73% of A100 peak fwd+bwd (Dao 2023, Fig. 4).
+    ("ampere", "flash_attn2"): Band(0.50, 0.60, 0.70, "FlashAttention-2 paper (Dao 2023): 50-73% on A100"),
+    ("ampere", "sdpa_cuda"): Band(0.50, 0.60, 0.70, "SDPA's flash kernel = FA2 on A100"),
+    ("ampere", "auto"): Band(0.50, 0.60, 0.70, "auto = FA2 / SDPA on A100"),
+    ("ampere", "te_cudnn"): Band(0.45, 0.55, 0.65, "cuDNN fused attention on A100 ~ FA2"),
+}
+# Share of a lone kernel's rate that attention keeps inside a CP > 1 step: blocks split for causal load
+# balance (half-size kernel calls), online-softmax merges, per-step launches.  Fitted with cuDNN's 0.53
+# to NeMo's table (above); ring-flash-attention's zigzag keeps 0.9 of one call on 8 x H800 at 8K
+# tokens/GPU, its plain ring 0.54 (ANCHORS), so 0.6 sits between.  gpu_check's ring section measures it.
+CP_STEP_FACTOR = 0.6
+
+# GEMMs: Megatron/TE bf16 GEMMs of a 4K-8K hidden model reach 55-70% of dense peak in training steps
+# (NeMo's 4K-sequence Llama-2-7B bf16 runs at ~520-560 model TFLOP/s on H100 with small attention
+# share); FP8 GEMMs 40-50% of the FP8 peak (NeMo FP8 Llama-2-7B at 4K: 780 model TFLOP/s of 1,979).
+MATMUL_BF16 = Band(0.5, 0.6, 0.7, "Megatron/TE bf16 GEMMs in NeMo's 4K-sequence runs (55-70% of peak)")
+MATMUL_FP8 = Band(0.35, 0.42, 0.5, "TE FP8 GEMMs in NeMo's FP8 runs (~40-50% of the FP8 peak)")
+
+
+def attention_band(family: str, backend: str) -> Band:
+    """The default in-step attention efficiency of ``backend`` on a GPU generation."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    key = (family, backend)
+    if key not in ATTENTION:
+        raise ValueError(f"--attention-backend {backend!r} has no known efficiency on {family} GPUs; "
+                         "give --attention-efficiency or --calibrate a gpu_check JSON")
+    return ATTENTION[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiencies:
+    """The efficiencies a plan is timed with."""
+
+    attention: Band  # one kernel call (``cp_factor`` = 1: already the in-step value)
+    matmul: Band
+    cp_factor: float = CP_STEP_FACTOR  # share of ``attention`` a CP > 1 step keeps
+
+    def point(self, which: str, cp: int = 1) -> tuple[float, float]:
+        """In-step (attention, matmul) at ``which`` in ('low', 'expected', 'high') for a CP size."""
+        attention = getattr(self.attention, which) * (self.cp_factor if cp > 1 else 1.0)
+        return attention, getattr(self.matmul, which)
+
+
+def default_efficiencies(family: str, backend: str, fp8: bool) -> Efficiencies:
+    return Efficiencies(attention_band(family, backend), MATMUL_FP8 if fp8 else MATMUL_BF16)
+
+
+def resolve(family: str, backend: str, fp8: bool, *, attention: Optional[float] = None,
+            matmul: Optional[float] = None, calibration: Optional["Calibration"] = None) -> Efficiencies:
+    """Defaults, replaced by a calibration file, replaced by explicit flags (in that order)."""
+    eff = default_efficiencies(family, backend, fp8)
+    if calibration is not None:
+        eff = calibration.apply(eff, backend, fp8)
+    if attention is not None:  # an in-step value: no CP factor on top
+        eff = dataclasses.replace(eff, attention=Band.fixed(attention, "--attention-efficiency"), cp_factor=1.0)
+    if matmul is not None:
+        eff = dataclasses.replace(eff, matmul=Band.fixed(matmul, "--matmul-efficiency"))
+    return eff
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured rates from a ``gpu_check`` JSON (``scripts/gpu_check.py --out``)."""
+
+    path: str
+    peak_tflops: float  # dense bf16 peak of the GPU the file was measured on (plan's --bf16-tflops)
+    matmul_tflops: Optional[float]  # measured bf16 GEMM rate
+    attention_tflops: dict[str, float]  # backend -> fwd+bwd TFLOP/s of one kernel call (7·s²·H count)
+    ring_efficiency: Optional[float]  # CP ring step time of one call over the same tokens / ring time
+
+    def apply(self, eff: Efficiencies, backend: str, fp8: bool) -> Efficiencies:
+        out = eff
+        kernel = {"auto": ("flash_attn", "sdpa_cuda")}.get(backend, (_KERNEL_NAME.get(backend, backend),))
+        for name in kernel:
+            if name in self.attention_tflops:
+                share = min(self.attention_tflops[name] / self.peak_tflops, 1.0)
+                out = dataclasses.replace(out, attention=Band.fixed(share, f"measured {name} in {self.path}"))
+                break
+        if self.ring_efficiency is not None:
+            out = dataclasses.replace(out, cp_factor=self.ring_efficiency)
+        if self.matmul_tflops and not fp8:
+            out = dataclasses.replace(out, matmul=Band.fixed(
+                min(self.matmul_tflops / self.peak_tflops, 1.0), f"measured bf16 GEMM in {self.path}"))
+        return out
+
+
+_KERNEL_NAME = {"flash_attn2": "flash_attn", "flash_attn3": "flash_attn"}
+
+
+def _find(tree: Any, key: str) -> list[Any]:
+    """Every value stored under ``key`` anywhere in a JSON tree."""
+    found = []
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k == key:
+                found.append(v)
+            found += _find(v, key)
+    elif isinstance(tree, list):
+        for v in tree:
+            found += _find(v, key)
+    return found
+
+
+def load_calibration(path: str, peak_tflops: float) -> Calibration:
+    """Read measured TFLOP/s from a gpu_check JSON; errors name ``--calibrate`` and the path.
+
+    Reads ``sections.kernels.<backend>.timing.{fwd_tflops, bwd_tflops}`` (fwd+bwd combined over the
+    7:2 FLOP split), ``matmul_tflops`` wherever the file has it, and ``ring_efficiency`` (or
+    ``efficiency``) of the ring section's rows at the largest CP size.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            report = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"--calibrate {path}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--calibrate {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(report, dict) or report.get("status") == "no_cuda" or report.get("dry_run"):
+        raise ValueError(f"--calibrate {path}: not a gpu_check report measured on a GPU (dry run or no CUDA); "
+                         "run scripts/gpu_check.sh on the GPU and pass its JSON")
+    kernels = (report.get("sections") or {}).get("kernels") or {}
+    attention: dict[str, float] = {}
+    for name, entry in kernels.items():
+        timing = entry.get("timing") if isinstance(entry, dict) else None
+        if isinstance(timing, list):  # one row per sequence length: take the longest
+            timing = max((t for t in timing if isinstance(t, dict) and "fwd_tflops" in t),
+                         key=lambda t: t.get("seq", 0), default=None)
+        if isinstance(timing, dict) and timing.get("fwd_tflops") and timing.get("bwd_tflops"):
+            f, b = float(timing["fwd_tflops"]), float(timing["bwd_tflops"])
+            attention[name] = 3.5 / (1 / f + 2.5 / b)  # fwd share 1, bwd share 2.5 of the FLOPs
+    matmul = [float(v) for v in _find(report, "matmul_tflops") if isinstance(v, (int, float)) and v > 0]
+    ring_rows = ((report.get("sections") or {}).get("ring_overhead") or {}).get("rows") or []
+    ring = None
+    for row in sorted((r for r in ring_rows if isinstance(r, dict)), key=lambda r: r.get("cp", 0)):
+        value = row.get("ring_efficiency", row.get("efficiency"))
+        if isinstance(value, (int, float)) and 0 < value <= 1.5:
+            ring = min(float(value), 1.0)
+    if not attention and not matmul:
+        raise ValueError(f"--calibrate {path}: no measured kernel timing (sections.kernels.*.timing) "
+                         "and no matmul_tflops in the file")
+    return Calibration(path, peak_tflops, max(matmul) if matmul else None, attention, ring)
