@@ -14,7 +14,7 @@ from typing import Optional
 from .efficiency import Efficiencies
 from .model import GIB, ModelShape
 from .recommend import (
-    MEMORY_MARGIN, Constraints, Plan, PlanInfeasible, _SEARCHED, describe, recommend,
+    HOST_MARGIN, MEMORY_MARGIN, Constraints, Plan, PlanInfeasible, _SEARCHED, closest, describe, recommend,
 )
 from .timing import Hardware
 
@@ -54,17 +54,19 @@ def longest_sequence(m: ModelShape, num_gpus: int, hw: Hardware, c: Constraints 
 
 
 def infeasible_message(m: ModelShape, s: int, num_gpus: int, hw: Hardware, c: Constraints, mb: int,
-                       eff: Optional[Efficiencies], near: Plan) -> str:
+                       eff: Optional[Efficiencies], plans: list[Plan]) -> str:
+    near = closest(plans)
     mem = near.memory
     name, size = mem.dominant()
-    host_bound = mem.host_offload > near.host_usable_bytes and mem.peak <= near.usable_bytes
+    gpu_fitting = [p for p in plans if p.memory.peak <= p.usable_bytes]  # short of host memory only
+    host_need = min(gpu_fitting, key=lambda p: p.memory.host_offload) if gpu_fitting else None
     lines = [f"no configuration of {m.name} at --seq-length {s} fits {num_gpus} x {hw.name} ({hw.memory_gib:.0f} GiB, "
              f"{MEMORY_MARGIN:.0%} usable; host {hw.host_bytes_per_gpu(num_gpus) / GIB:.0f} GiB per GPU"
              + (f"; fixed: {_fixed_text(c)}" if c.fixed() else "") + ").",
              f"Closest: {describe(near)} needs {mem.peak / GIB:.1f} GiB per GPU and "
              f"{mem.host_offload / GIB:.0f} GiB of host memory per GPU; the largest part is {name} "
              f"({size / GIB:.1f} GiB)" + _states_note(near) + "."]
-    lines.append("Smallest change that fits: " + _smallest_change(m, s, num_gpus, hw, c, mb, eff, near, host_bound))
+    lines.append("Smallest change that fits: " + _smallest_change(m, s, num_gpus, hw, c, mb, eff, near, host_need))
     return "\n".join(lines)
 
 
@@ -81,7 +83,7 @@ def _fixed_text(c: Constraints) -> str:
 
 
 def _smallest_change(m: ModelShape, s: int, n: int, hw: Hardware, c: Constraints, mb: int,
-                     eff: Optional[Efficiencies], near: Plan, host_bound: bool) -> str:
+                     eff: Optional[Efficiencies], near: Plan, host_need: Optional[Plan]) -> str:
     if c.dataloader_mask:
         plan = _try(m, s, n, hw, dataclasses.replace(c, dataloader_mask=False), mb, eff)
         if plan:
@@ -93,10 +95,12 @@ def _smallest_change(m: ModelShape, s: int, n: int, hw: Hardware, c: Constraints
         plan = _try(m, s, n, hw, free, mb, eff)
         if plan:
             return f"drop the fixed choices ({_fixed_text(c)}): {describe(plan)}, {plan.memory.peak / GIB:.1f} GiB."
-    if host_bound:
-        need = near.memory.host_offload / 0.9 * min(n, hw.gpus_per_node) / GIB
-        return (f"more host memory: --host-memory-gib {need:.0f} (per node, shared by the job's "
-                f"{min(n, hw.gpus_per_node)} GPUs on it) for {describe(near)}.")
+    if host_need is not None:
+        per_node = min(n, hw.gpus_per_node)
+        need = host_need.memory.host_offload / HOST_MARGIN * per_node / GIB
+        return (f"more host memory: --host-memory-gib {need:.0f} (per node, shared by the job's {per_node} GPUs "
+                f"on it; now {hw.host_memory_gib:.0f}) for {describe(host_need)}, "
+                f"{host_need.memory.peak / GIB:.1f} GiB per GPU.")
     if not c.model_state_offload:
         plan = _try(m, s, n, hw, dataclasses.replace(c, model_state_offload=True, optimizer_offload=None), mb, eff)
         if plan:

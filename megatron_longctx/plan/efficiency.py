@@ -67,11 +67,13 @@ ATTENTION: dict[tuple[str, str], Band] = {
     ("ampere", "auto"): Band(0.50, 0.60, 0.70, "auto = FA2 / SDPA on A100"),
     ("ampere", "te_cudnn"): Band(0.45, 0.55, 0.65, "cuDNN fused attention on A100 ~ FA2"),
 }
-# Share of a lone kernel's rate that attention keeps inside a CP > 1 step: blocks split for causal load
-# balance (half-size kernel calls), online-softmax merges, per-step launches.  Fitted with cuDNN's 0.53
-# to NeMo's table (above); ring-flash-attention's zigzag keeps 0.9 of one call on 8 x H800 at 8K
-# tokens/GPU, its plain ring 0.54 (ANCHORS), so 0.6 sits between.  gpu_check's ring section measures it.
-CP_STEP_FACTOR = 0.6
+# Share of a lone kernel's rate that attention keeps inside a CP > 1 step (blocks split for causal load
+# balance, online-softmax merges, per-step launches), per backend.  TE's CP with cuDNN: 0.6, fitted with
+# cuDNN's 0.53 to NeMo's table (above).  The plugin's kernels run the zigzag block schedule of
+# ring-flash-attention, which keeps 0.90 of one flash-attn call on 8 x H800 at 8K tokens per GPU
+# (ANCHORS.md; its plain ring keeps 0.54).  gpu_check's ring section measures it (--calibrate).
+CP_STEP_FACTOR = {"te_cudnn": 0.6}
+PLUGIN_CP_STEP_FACTOR = 0.9
 
 # GEMMs: Megatron/TE bf16 GEMMs of a 4K-8K hidden model reach 55-70% of dense peak in training steps
 # (NeMo's 4K-sequence Llama-2-7B bf16 runs at ~520-560 model TFLOP/s on H100 with small attention
@@ -97,7 +99,7 @@ class Efficiencies:
 
     attention: Band  # one kernel call (``cp_factor`` = 1: already the in-step value)
     matmul: Band
-    cp_factor: float = CP_STEP_FACTOR  # share of ``attention`` a CP > 1 step keeps
+    cp_factor: float = PLUGIN_CP_STEP_FACTOR  # share of ``attention`` a CP > 1 step keeps
 
     def point(self, which: str, cp: int = 1) -> tuple[float, float]:
         """In-step (attention, matmul) at ``which`` in ('low', 'expected', 'high') for a CP size."""
@@ -106,7 +108,8 @@ class Efficiencies:
 
 
 def default_efficiencies(family: str, backend: str, fp8: bool) -> Efficiencies:
-    return Efficiencies(attention_band(family, backend), MATMUL_FP8 if fp8 else MATMUL_BF16)
+    return Efficiencies(attention_band(family, backend), MATMUL_FP8 if fp8 else MATMUL_BF16,
+                        CP_STEP_FACTOR.get(backend, PLUGIN_CP_STEP_FACTOR))
 
 
 def resolve(family: str, backend: str, fp8: bool, *, attention: Optional[float] = None,
@@ -151,26 +154,36 @@ class Calibration:
 _KERNEL_NAME = {"flash_attn2": "flash_attn", "flash_attn3": "flash_attn"}
 
 
-def _find(tree: Any, key: str) -> list[Any]:
-    """Every value stored under ``key`` anywhere in a JSON tree."""
-    found = []
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if k == key:
-                found.append(v)
-            found += _find(v, key)
-    elif isinstance(tree, list):
-        for v in tree:
-            found += _find(v, key)
-    return found
+def _fwd_bwd(fwd: float, bwd: float) -> float:
+    """fwd+bwd TFLOP/s of a kernel from its forward and backward rates (backward = 2.5x the FLOPs)."""
+    return 3.5 / (1 / fwd + 2.5 / bwd)
+
+
+def _kernel_rates(kernels: dict) -> dict[str, float]:
+    """backend -> fwd+bwd TFLOP/s from ``kernels.tflops.<backend>.<dtype>.{fwd, bwd}`` (bf16 first)."""
+    rates: dict[str, float] = {}
+    for name, by_dtype in (kernels.get("tflops") or {}).items():
+        if not isinstance(by_dtype, dict):
+            continue
+        for dtype in ("bfloat16", "float16"):
+            entry = by_dtype.get(dtype)
+            if isinstance(entry, dict) and _positive(entry.get("fwd")) and _positive(entry.get("bwd")):
+                rates[name] = _fwd_bwd(float(entry["fwd"]), float(entry["bwd"]))
+                break
+    return rates
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value > 0
 
 
 def load_calibration(path: str, peak_tflops: float) -> Calibration:
-    """Read measured TFLOP/s from a gpu_check JSON; errors name ``--calibrate`` and the path.
+    """Read measured rates from a ``gpu_check/2`` JSON; every error names ``--calibrate`` and the path.
 
-    Reads ``sections.kernels.<backend>.timing.{fwd_tflops, bwd_tflops}`` (fwd+bwd combined over the
-    7:2 FLOP split), ``matmul_tflops`` wherever the file has it, and ``ring_efficiency`` (or
-    ``efficiency``) of the ring section's rows at the largest CP size.
+    ``sections.environment.matmul_bf16_tflops`` (bf16 GEMM), ``sections.kernels.tflops.<backend>.
+    <dtype>.{fwd, bwd}`` (one kernel call, causal 2·s²·H forward, 2.5× backward) and the causal rows'
+    ``efficiency`` of ``sections.ring`` at the largest CP size (the CP-step factor).  Sections may be
+    missing or skipped; a dry run (``--allow-cpu``) is refused.
     """
     try:
         with open(path, encoding="utf-8") as fh:
@@ -179,27 +192,24 @@ def load_calibration(path: str, peak_tflops: float) -> Calibration:
         raise ValueError(f"--calibrate {path}: cannot read it ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"--calibrate {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(report, dict) or report.get("status") == "no_cuda" or report.get("dry_run"):
-        raise ValueError(f"--calibrate {path}: not a gpu_check report measured on a GPU (dry run or no CUDA); "
-                         "run scripts/gpu_check.sh on the GPU and pass its JSON")
-    kernels = (report.get("sections") or {}).get("kernels") or {}
-    attention: dict[str, float] = {}
-    for name, entry in kernels.items():
-        timing = entry.get("timing") if isinstance(entry, dict) else None
-        if isinstance(timing, list):  # one row per sequence length: take the longest
-            timing = max((t for t in timing if isinstance(t, dict) and "fwd_tflops" in t),
-                         key=lambda t: t.get("seq", 0), default=None)
-        if isinstance(timing, dict) and timing.get("fwd_tflops") and timing.get("bwd_tflops"):
-            f, b = float(timing["fwd_tflops"]), float(timing["bwd_tflops"])
-            attention[name] = 3.5 / (1 / f + 2.5 / b)  # fwd share 1, bwd share 2.5 of the FLOPs
-    matmul = [float(v) for v in _find(report, "matmul_tflops") if isinstance(v, (int, float)) and v > 0]
-    ring_rows = ((report.get("sections") or {}).get("ring_overhead") or {}).get("rows") or []
+    if not isinstance(report, dict) or not isinstance(report.get("sections"), dict):
+        raise ValueError(f"--calibrate {path}: not a gpu_check report (no 'sections'); "
+                         "pass the JSON scripts/gpu_check.py --out wrote")
+    if report.get("dry_run") or report.get("device") == "cpu":
+        raise ValueError(f"--calibrate {path}: a dry run on the CPU measures nothing; run scripts/gpu_check.sh on "
+                         "the GPU and pass its JSON")
+    if report.get("schema") not in (None, "gpu_check/2"):
+        raise ValueError(f"--calibrate {path}: schema {report.get('schema')!r} is not gpu_check/2")
+    sections = report["sections"]
+    env = sections.get("environment") or {}
+    matmul = float(env["matmul_bf16_tflops"]) if _positive(env.get("matmul_bf16_tflops")) else None
+    attention = _kernel_rates(sections.get("kernels") or {})
     ring = None
-    for row in sorted((r for r in ring_rows if isinstance(r, dict)), key=lambda r: r.get("cp", 0)):
-        value = row.get("ring_efficiency", row.get("efficiency"))
-        if isinstance(value, (int, float)) and 0 < value <= 1.5:
-            ring = min(float(value), 1.0)
-    if not attention and not matmul:
-        raise ValueError(f"--calibrate {path}: no measured kernel timing (sections.kernels.*.timing) "
-                         "and no matmul_tflops in the file")
-    return Calibration(path, peak_tflops, max(matmul) if matmul else None, attention, ring)
+    rows = [r for r in (sections.get("ring") or {}).get("rows") or []
+            if isinstance(r, dict) and r.get("layout", "causal") == "causal" and _positive(r.get("efficiency"))]
+    if rows:
+        ring = min(float(max(rows, key=lambda r: r.get("cp", 0))["efficiency"]), 1.0)
+    if not attention and matmul is None:
+        raise ValueError(f"--calibrate {path}: no measured rate in it (sections.kernels.tflops and "
+                         "sections.environment.matmul_bf16_tflops are missing or skipped)")
+    return Calibration(path, peak_tflops, matmul, attention, ring)

@@ -273,8 +273,7 @@ def recommend(m: ModelShape, seq_length: int, num_gpus: int, hw: Hardware, const
         raise PlanInfeasible(f"no configuration fits {num_gpus} x {hw.name}")
     from .advice import infeasible_message
 
-    raise PlanInfeasible(infeasible_message(m, seq_length, num_gpus, hw, constraints, micro_batch, eff,
-                                            closest(plans)))
+    raise PlanInfeasible(infeasible_message(m, seq_length, num_gpus, hw, constraints, micro_batch, eff, plans))
 
 
 def features(opt: MemoryOptions) -> int:
