@@ -41,7 +41,7 @@ class MemoryBreakdown:
     activation_host: float = 0.0  # activation bytes one micro-batch moves to the host (per GPU)
     stage: str = "first"  # which pipeline stage is the peak ("first" or "last"; PP = 1: the only one)
     per_layer: LayerActivations = field(repr=False, default=None)
-    _bf16_grads: bool = field(repr=False, default=False)
+    grads_bf16: bool = False  # main grads kept in bf16 (--main-grads-dtype bf16)
 
     @property
     def model_states(self) -> float:
@@ -56,7 +56,7 @@ class MemoryBreakdown:
         return self.model_states + self.activations + self.transient + self.dataloader_mask + self.reserved
 
     def rows(self) -> list[tuple[str, float]]:
-        grads = "grads (bf16 buffer)" if self._bf16_grads else "grads (fp32 buffer)"
+        grads = "grads (bf16 buffer)" if self.grads_bf16 else "grads (fp32 buffer)"
         rows = [("weights (bf16)", self.weights), (grads, self.grads),
                 ("optimizer (dist., fp32 m/v/master)", self.optimizer), ("activations saved", self.activations),
                 ("layer working set", self.working), ("attention workspace", self.attention_workspace),
@@ -179,5 +179,5 @@ def _stage_memory(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, stag
         weights=states.weights, grads=states.grads, optimizer=states.optimizer, activations=activations,
         working=working, attention_workspace=workspace, sp_gather=sp_gather, logits=logits,
         dataloader_mask=mask, reserved=reserved_gib * GIB, host_offload=host, activation_host=act_host, stage=stage, per_layer=largest,
-        _bf16_grads=opt.main_grads_dtype == "bf16",
+        grads_bf16=opt.main_grads_dtype == "bf16",
     )

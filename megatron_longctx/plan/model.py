@@ -1,13 +1,11 @@
-"""Analytic per-GPU memory model of Megatron-Core training: weights, gradients, optimizer, activations.
+"""The model shape, the memory options and the activations one layer saves, per GPU.
 
 Activation bytes follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198): a GPT-3-style layer (MHA, GELU MLP of 4h, dropout, flash attention) saves
 34·s·b·h bytes in 16-bit, divided by TP under sequence parallelism.  Here the same count is written
 per saved tensor so that it covers GQA, RoPE, SwiGLU, MoE, MLA and Megatron's local (unfused)
 attention, which also keeps the ``[b, h, s, s]`` probabilities.  Context parallelism divides the
-tokens of every term.  Optimizer states follow Megatron's distributed optimizer (ZeRO-1, Rajbhandari
-et al. arXiv:1910.02054): bf16 weights and fp32 gradient buffers on every rank, fp32 master weights
-and the two Adam moments sharded over the data-parallel × context-parallel group.
+tokens of every term.  Model states are in :mod:`.states`, the peak per GPU in :mod:`.memory`.
 
 All sizes are bytes unless a name says otherwise; ``s`` is the global sequence length, ``b`` the
 micro-batch, ``tp``/``cp`` the parallel sizes, ``e`` bytes per activation element.
@@ -16,7 +14,6 @@ micro-batch, ``tp``/``cp`` the parallel sizes, ``e`` bytes per activation elemen
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import field
 from typing import Optional
 
 GIB = 1 << 30

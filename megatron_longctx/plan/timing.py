@@ -218,7 +218,7 @@ def step_time(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, hw: Hard
 def _dp_exposed_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: Hardware) -> float:
     """Gradient reduce-scatter + parameter all-gather, overlapped but for the last bucket (once a step)."""
     group = par.dp * par.cp
-    if group == 1 or opt.model_state_offload:
+    if group == 1:
         return 0.0
     sp = stage_params(m, par)
     link = hw.inter_node_gbps if par.world > hw.gpus_per_node else hw.intra_node_gbps

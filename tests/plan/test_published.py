@@ -1,11 +1,5 @@
-"""The planner against published runs: NeMo's long-sequence table, and Megatron's FLOP convention.
-
-NeMo's table (docs "Long Sequence Performance", Llama-2-7B, DGX-H100, FP8, TE): TFLOP/s per GPU in
-NeMo's convention (attention counted non-causally, 12·s²·H per layer), layouts TP·CP·DP with PP 1 and
-as many GPUs as K tokens.  A published step time is then NeMo-FLOPs of the step / (TFLOP/s × GPUs).
-The table gives no batch size; the same page's B200 table keeps 4M tokens per step, used here (it
-only sets how often the gradient reduction is paid).
-"""
+"""The planner against published runs (NeMo's long-sequence table, :mod:`.plan.published`) and
+Megatron's FLOP convention (``num_floating_point_operations`` of the installed megatron.training)."""
 
 from __future__ import annotations
 
@@ -14,40 +8,31 @@ import argparse
 import pytest
 
 from megatron_longctx.plan import presets
-from megatron_longctx.plan.efficiency import resolve
 from megatron_longctx.plan.flags import megatron_flags
 from megatron_longctx.plan.flops import model_flops
 from megatron_longctx.plan.model import MemoryOptions, Parallel
+from megatron_longctx.plan.published import nemo_rows
 from megatron_longctx.plan.recommend import evaluate
 
-# (K tokens, TP, CP, DP, published TFLOP/s per GPU)
-NEMO_H100 = [(32, 2, 2, 8, 610), (64, 4, 2, 8, 574), (128, 4, 4, 8, 555), (256, 4, 8, 8, 549),
-             (512, 8, 16, 4, 549), (1024, 8, 32, 4, 536)]
-TOKENS_PER_STEP = 4 << 20
-
-
-def _ratio(k: int, tp: int, cp: int, dp: int, tflops: float, attention_efficiency=None) -> float:
-    m, hw, s = presets.model("llama2-7b"), presets.gpu("h100"), k * 1024
-    gbs = max(TOKENS_PER_STEP // s, dp)
-    par = Parallel(tp=tp, cp=cp, dp=dp, micro_batches=gbs // dp)
-    opt = MemoryOptions(fp8=True, attention_backend="te_cudnn")
-    eff = resolve(hw.family, "te_cudnn", True, attention=attention_efficiency)
-    plan = evaluate(m, s, tp * cp * dp, hw, par, opt, eff)
-    assert plan.fits, f"NeMo ran {k}K at TP{tp} CP{cp} on H100: the planner must fit it"
-    published = model_flops(m, s, gbs, "nemo") / (tflops * 1e12 * tp * cp * dp)
-    return plan.time.total / published
-
-
-@pytest.mark.parametrize("k,tp,cp,dp,tflops", NEMO_H100)
-def test_nemo_h100_rows_within_15_percent(k, tp, cp, dp, tflops):
-    assert _ratio(k, tp, cp, dp, tflops) == pytest.approx(1.0, abs=0.15)
+@pytest.mark.parametrize("row", nemo_rows(), ids=lambda r: f"{r['seq_k']}K")
+def test_nemo_h100_rows_within_15_percent(row):
+    assert row["fits"], "NeMo ran this layout on H100: the planner must fit it"
+    assert row["ratio"] == pytest.approx(1.0, abs=0.15)
+    lo, hi = row["predicted_range_s"]
+    assert lo < row["predicted_step_s"] < hi
 
 
 def test_an_attention_efficiency_of_one_half_misses_the_table():
     # The old fixed 0.5 predicts the long rows 1.5x too fast: the test above would fail with it.
-    ratios = [_ratio(*row, attention_efficiency=0.5) for row in NEMO_H100]
+    ratios = [r["ratio"] for r in nemo_rows(attention_efficiency=0.5)]
     assert all(r < 0.85 for r in ratios), ratios
     assert min(ratios) < 0.7
+
+
+def test_published_step_time_is_nemo_flops_over_tflops():
+    row = nemo_rows()[-1]  # 1M tokens, TP8 CP32 DP4, 536 TFLOP/s, 4 sequences per step
+    flops = model_flops(presets.model("llama2-7b"), 1 << 20, 4, "nemo")
+    assert row["published_step_s"] == pytest.approx(flops / (536e12 * 1024))
 
 
 @pytest.mark.parametrize("name", ["llama2-7b", "llama3-8b", "llama3-70b", "mixtral-8x7b", "deepseek-v2-lite"])
