@@ -98,7 +98,7 @@ def _smallest_change(m: ModelShape, s: int, n: int, hw: Hardware, c: Constraints
     if host_need is not None:
         per_node = min(n, hw.gpus_per_node)
         need = host_need.memory.host_offload / HOST_MARGIN * per_node / GIB
-        return (f"more host memory: --host-memory-gib {need:.0f} (per node, shared by the job's {per_node} GPUs "
+        return (f"more host memory: --host-memory-gib {need:.0f} (per node, shared by the job's {per_node} GPU(s) "
                 f"on it; now {hw.host_memory_gib:.0f}) for {describe(host_need)}, "
                 f"{host_need.memory.peak / GIB:.1f} GiB per GPU.")
     if not c.model_state_offload:

@@ -208,6 +208,10 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  ring overlap: {have:,.0f} tokens/GPU vs {need:,.0f} needed to hide K/V transfers over "
                      f"{'the network' if inter else 'NVLink'} ((F/B)·(hkv/hq)·e)")
     lines += warnings(plan)
+    if plan.options.attention_backend == "te_cudnn":
+        lines.append("note: te_cudnn times Megatron's own Transformer Engine attention and CP (as NeMo runs), not this "
+                     "package's attention: the Megatron flags below apply to pretrain_gpt.py run directly; under "
+                     "megatron_longctx.launch the plugin's attention replaces it")
     if plan.options.model_state_offload:
         lines.append("note: model-state offload is modelled, not implemented (docs/model-state-offload.md); "
                      "the flags below cannot run this plan yet")

@@ -106,3 +106,9 @@ def test_flags_override_defaults():
     assert eff.point("expected", cp=8) == (0.4, 0.7)  # an in-step value: no CP factor on top
     assert resolve("hopper", "te_cudnn", True).point("expected", cp=8)[0] == pytest.approx(0.32, abs=0.005)
     assert presets.gpu("h200").family == "hopper"
+
+
+def test_te_cudnn_plans_say_they_time_megatrons_own_attention(capsys):
+    assert plan_main(BASE + ["--attention-backend", "te_cudnn", "--fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "te_cudnn times Megatron's own Transformer Engine attention" in out and "--fp8-format hybrid" in out
