@@ -147,7 +147,8 @@ class Calibration:
             out = dataclasses.replace(out, cp_factor=self.ring_efficiency)
         if self.matmul_tflops and not fp8:
             out = dataclasses.replace(out, matmul=Band.fixed(
-                min(self.matmul_tflops / self.peak_tflops, 1.0), f"measured bf16 GEMM in {self.path}"))
+                min(self.matmul_tflops / self.peak_tflops, 1.0),
+                f"measured 8192^3 bf16 GEMM in {self.path} (an upper bound for the model's GEMMs)"))
         return out
 
 
