@@ -20,6 +20,8 @@ from .recommend import Plan
 
 # Megatron's --cp-comm-type -> the plugin's algorithm (the plugin's "auto" follows --cp-comm-type too).
 _ALGORITHM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}
+# The planner's attention backends that name one of the plugin's kernels (auto: the plugin picks).
+_KERNEL = {"flash_attn2": "flash_attn", "flash_attn3": "flash_attn", "sdpa_cuda": "sdpa_cuda"}
 HOST_POOL_MARGIN = 1.1
 
 
@@ -27,14 +29,16 @@ def longctx_options(plan: Plan) -> dict[str, Any]:
     """``{LongContextConfig field: value}`` for the plugin's features this plan turns on."""
     opt, par = plan.options, plan.parallel
     out: dict[str, Any] = {}
-    if par.cp > 1:
+    if par.cp > 1 and opt.attention_backend != "te_cudnn":  # te_cudnn: Megatron's own TE attention and CP
         out["cp_algorithm"] = _ALGORITHM[par.cp_comm_type]
+    if opt.attention_backend in _KERNEL:
+        out["cp_kernel_backend"] = _KERNEL[opt.attention_backend]
     if opt.offload == "checkpoint":  # the plugin's full recompute owns the checkpoints it offloads
         out.update(recompute_granularity="full", offload_policy="checkpoint")
     elif opt.offload == "layers":
         out.update(offload_policy="layers", offload_num_layers=0)
-    activation_host = plan.memory.host_offload - (_optimizer_host_bytes(plan) if opt.optimizer_offload else 0.0)
-    if opt.offload != "none":
+    if opt.offload != "none":  # every micro-batch in flight on the first pipeline stage
+        activation_host = plan.memory.activation_host * plan.parallel.in_flight
         out["offload_host_pool_bytes"] = int(math.ceil(activation_host * HOST_POOL_MARGIN / GIB)) * GIB
     if opt.tiled_mlp_tiles > 1:
         out["tiled_mlp_tiles"] = opt.tiled_mlp_tiles
@@ -42,13 +46,6 @@ def longctx_options(plan: Plan) -> dict[str, Any]:
         out["tiled_loss_tiles"] = opt.tiled_loss_tiles
     LongContextConfig.from_flat(out)  # validates names, values and combinations (raises ValueError)
     return out
-
-
-def _optimizer_host_bytes(plan: Plan) -> float:
-    from .model import params_per_gpu
-
-    dense, experts = params_per_gpu(plan.model, plan.parallel)
-    return 12 * (dense + experts) / max(plan.parallel.dp * plan.parallel.cp, 1)
 
 
 def _defaults() -> dict[str, Any]:
@@ -107,10 +104,21 @@ def megatron_flags(plan: Plan) -> list[str]:
     par, opt = plan.parallel, plan.options
     argv = model_flags(plan.model) + [
         "--seq-length", plan.seq_length, "--max-position-embeddings", plan.seq_length,
-        "--micro-batch-size", par.micro_batch, "--global-batch-size", par.micro_batch * par.dp,
+        "--micro-batch-size", par.micro_batch, "--global-batch-size", plan.global_batch_size,
         "--tensor-model-parallel-size", par.tp, "--context-parallel-size", par.cp,
-        "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
     ]
+    if par.pp > 1:
+        argv += ["--pipeline-model-parallel-size", par.pp]
+    argv.append("--bf16")
+    if opt.fsdp:  # Megatron-FSDP shards weights, grads and optimizer (ZeRO-3)
+        argv += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--overlap-grad-reduce", "--overlap-param-gather"]
+    else:
+        argv += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    if opt.fp8:
+        argv += ["--fp8-format", "hybrid"]
+    if not opt.dataloader_mask:  # the plugin's attention is causal by itself: no dense [s, s] mask
+        argv.append("--no-create-attention-mask-in-dataloader")
     if par.tp > 1:
         argv.append("--sequence-parallel")
     if par.cp > 1:
@@ -123,8 +131,13 @@ def megatron_flags(plan: Plan) -> list[str]:
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     elif opt.recompute == "selective":
         argv += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+    precision_aware = opt.optimizer_offload or opt.main_grads_dtype == "bf16"
     if opt.optimizer_offload:
-        argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0", "--use-precision-aware-optimizer"]
+        argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0"]
+    if precision_aware:
+        argv.append("--use-precision-aware-optimizer")
+    if opt.main_grads_dtype == "bf16":
+        argv += ["--main-grads-dtype", "bf16"]
     return [str(a) for a in argv]
 
 

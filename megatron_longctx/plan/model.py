@@ -1,13 +1,11 @@
-"""Analytic per-GPU memory model of Megatron-Core training: weights, gradients, optimizer, activations.
+"""The model shape, the memory options and the activations one layer saves, per GPU.
 
 Activation bytes follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198): a GPT-3-style layer (MHA, GELU MLP of 4h, dropout, flash attention) saves
 34·s·b·h bytes in 16-bit, divided by TP under sequence parallelism.  Here the same count is written
 per saved tensor so that it covers GQA, RoPE, SwiGLU, MoE, MLA and Megatron's local (unfused)
 attention, which also keeps the ``[b, h, s, s]`` probabilities.  Context parallelism divides the
-tokens of every term.  Optimizer states follow Megatron's distributed optimizer (ZeRO-1, Rajbhandari
-et al. arXiv:1910.02054): bf16 weights and fp32 gradient buffers on every rank, fp32 master weights
-and the two Adam moments sharded over the data-parallel × context-parallel group.
+tokens of every term.  Model states are in :mod:`.states`, the peak per GPU in :mod:`.memory`.
 
 All sizes are bytes unless a name says otherwise; ``s`` is the global sequence length, ``b`` the
 micro-batch, ``tp``/``cp`` the parallel sizes, ``e`` bytes per activation element.
@@ -16,7 +14,6 @@ micro-batch, ``tp``/``cp`` the parallel sizes, ``e`` bytes per activation elemen
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import field
 from typing import Optional
 
 GIB = 1 << 30
@@ -24,6 +21,13 @@ ATTENTION_IMPLS = ("flash", "local")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "checkpoint", "layers")
 ACTIVATIONS = ("swiglu", "gelu")
+GRAD_DTYPES = ("fp32", "bf16")
+# Megatron's HybridDeviceOptimizer (--optimizer-cpu-offload, megatron/core/optimizer/cpu_offloading/
+# hybrid_optimizer.py) keeps per offloaded parameter: a pinned fp32 copy of the parameter (the master),
+# a pinned fp32 copy of its gradient (cpu_copy_map_grad) and torch Adam's exp_avg and exp_avg_sq (fp32).
+OPTIMIZER_HOST_BYTES_PER_PARAM = 16
+# TE's FP8 GEMMs cache an FP8 copy of each weight and, on Hopper, its transpose (1 byte each).
+FP8_WEIGHT_CACHE_BYTES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +157,22 @@ class Parallel:
     cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
     ulysses_size: int = 1  # a2a+p2p: size of the all-to-all sub-group (first hierarchical size)
     micro_batch: int = 1
+    pp: int = 1  # --pipeline-model-parallel-size (1F1B schedule)
+    micro_batches: int = 1  # per step and data-parallel rank: global batch / (micro batch × dp)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "dp", "ep", "ulysses_size", "micro_batch", "pp", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Parallel.{name} = {getattr(self, name)}: must be >= 1")
 
     @property
     def world(self) -> int:
-        return self.tp * self.cp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose activations the first pipeline stage holds at once under 1F1B."""
+        return min(self.pp, self.micro_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +192,26 @@ class MemoryOptions:
     fused_rope: bool = True  # TE's fused RoPE; the unfused one keeps cos/sin [s, 1, 1, d] per use
     dropout_mask_bytes: int = 1  # CUDA's fused dropout keeps a bool mask; the CPU keeps a noise tensor (e)
     sequence_parallel: bool = True  # with TP > 1
+    main_grads_dtype: str = "fp32"  # Megatron's --main-grads-dtype (bf16 needs --use-precision-aware-optimizer)
+    fsdp: bool = False  # Megatron-FSDP (--use-megatron-fsdp, optim_grads_params): weights and grads sharded too
+    fp8: bool = False  # FP8 GEMMs through Transformer Engine (--fp8-format hybrid)
+    attention_backend: str = "auto"  # the attention kernel (efficiency.ATTENTION_BACKENDS)
+    dataloader_mask: bool = False  # Megatron's --create-attention-mask-in-dataloader (dense [b, 1, s, s])
+    model_state_offload: bool = False  # bf16 weights streamed per layer from host, grads sent to host (docs/)
 
     def __post_init__(self) -> None:
+        from .efficiency import ATTENTION_BACKENDS
+
+        if self.main_grads_dtype not in GRAD_DTYPES:
+            raise ValueError(f"--main-grads-dtype {self.main_grads_dtype!r}: choose one of {', '.join(GRAD_DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend {self.attention_backend!r}: choose one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.model_state_offload and self.fsdp:
+            raise ValueError("--model-state-offload streams whole layers from host memory; it does not combine "
+                             "with --megatron-fsdp (drop one)")
+        if self.model_state_offload and not self.optimizer_offload:
+            raise ValueError("--model-state-offload keeps the optimizer on the host too: add --optimizer-offload")
         for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("recompute", RECOMPUTE), ("offload", OFFLOAD)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
@@ -261,128 +295,6 @@ def layer_activations(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, 
         mlp = n * act * e / t
     masks = n * 2 * h * opt.dropout_mask_bytes / sp if opt.hidden_dropout > 0 else 0.0
     return LayerActivations(norms, attn, scores, mlp, masks)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryBreakdown:
-    """Predicted peak bytes per GPU, by part, and the host bytes offload needs per GPU."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float  # saved for backward across all layers (what stays on the GPU)
-    working: float  # one layer's recompute/backward working set (full recompute or tiled MLP)
-    attention_workspace: float  # CP buffers, gathered K/V, fp32 dq/dk/dv accumulators
-    logits: float  # logits + fp32 softmax of the loss (divided by loss tiles)
-    reserved: float  # CUDA context, NCCL buffers, allocator slack
-    host_offload: float  # bytes moved to host memory per GPU
-    per_layer: LayerActivations = field(repr=False, default=None)
-
-    @property
-    def model_states(self) -> float:
-        return self.weights + self.grads + self.optimizer
-
-    @property
-    def peak(self) -> float:
-        transient = max(self.logits, self.working + self.attention_workspace)
-        return self.model_states + self.activations + transient + self.reserved
-
-    def rows(self) -> list[tuple[str, float]]:
-        return [("weights (bf16)", self.weights), ("grads (fp32 buffer)", self.grads),
-                ("optimizer (dist., fp32 m/v/master)", self.optimizer), ("activations saved", self.activations),
-                ("layer working set", self.working), ("attention workspace", self.attention_workspace),
-                ("logits + loss", self.logits), ("reserved", self.reserved), ("peak", self.peak),
-                ("host (offload)", self.host_offload)]
-
-
-def params_per_gpu(m: ModelShape, par: Parallel) -> tuple[float, float]:
-    """(dense params on one GPU, routed-expert params on one GPU); experts split over EP × TP."""
-    p = param_counts(m)
-    tp_sharded = m.num_layers * p.attention + (m.num_layers - m.num_moe_layers) * p.dense_mlp
-    tp_sharded += m.num_moe_layers * p.moe_shared + p.embedding
-    final_norm = m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
-    replicated = m.num_layers * p.norms + final_norm + m.num_moe_layers * p.moe_router
-    experts = m.num_moe_layers * p.moe_routed / (par.ep * par.tp)
-    return tp_sharded / par.tp + replicated, experts
-
-
-def saved_per_layer(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, moe_layer: bool = False) -> float:
-    """Bytes one layer keeps on the GPU from its forward to its backward, before any offload.
-
-    Full recompute keeps the layer input ``[s/cp (/tp under SP), b, h]`` only; TiledMLP keeps the
-    MLP's input instead of its intermediates; otherwise :func:`layer_activations`.
-    """
-    if opt.recompute == "full":
-        sp = par.tp if opt.sequence_parallel else 1
-        return par.micro_batch * s / par.cp * m.hidden_size * opt.bytes_per_element / sp
-    a = layer_activations(m, s, par, opt, moe_layer=moe_layer)
-    return a.total - (a.mlp if opt.tiled_mlp_tiles > 1 else 0.0)
-
-
-def attention_workspace_bytes(m: ModelShape, s: int, par: Parallel, e: int) -> float:
-    """Transient bytes inside one layer's CP attention (forward or backward, the larger)."""
-    n = par.micro_batch * s / par.cp
-    hq, hkv = m.q_heads / par.tp, max(m.kv_heads / par.tp, 1)
-    kv = n * hkv * (m.d_qk + m.d_v)  # elements of this rank's K and V
-    dq = n * hq * m.d_qk * 4 + n * hq * 4  # fp32 dq accumulator + lse/delta
-    if par.cp == 1:
-        return dq
-    if par.cp_comm_type == "p2p":
-        return dq + kv * (2 * e + 2 * 4)  # K/V in flight (send+recv), dK/dV in flight in fp32
-    if par.cp_comm_type == "all_gather":
-        return dq + par.cp * kv * (e + 4)  # gathered K/V and their fp32 gradients
-    if par.cp_comm_type == "a2a":
-        return dq + 2 * n * (hq * (m.d_qk + m.d_v) + kv / n) * e  # re-laid q/k/v/out, send + receive
-    u = par.ulysses_size  # a2a+p2p: all-to-all, then a ring over cp/u ranks with hkv/u heads
-    return dq + 2 * n * (hq * (m.d_qk + m.d_v)) * e + kv * (2 * e + 2 * 4) / max(u, 1)
-
-
-def memory_breakdown(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, *, reserved_gib: float = 3.0,
-                     ) -> MemoryBreakdown:
-    """Peak memory of one GPU (PP = 1) training ``m`` on sequences of ``s`` tokens."""
-    e = opt.bytes_per_element
-    dense, experts = params_per_gpu(m, par)
-    weights = 2 * (dense + experts)
-    grads = 4 * (dense + experts)  # Megatron accumulates and reduces gradients in fp32 under bf16
-    expert_dp = max(par.dp * par.cp // par.ep, 1)
-    optimizer = 12 * dense / (par.dp * par.cp) + 12 * experts / expert_dp
-
-    n_moe = m.num_moe_layers
-    dense_layer = layer_activations(m, s, par, opt, moe_layer=False)
-    moe_layer = layer_activations(m, s, par, opt, moe_layer=True) if n_moe else dense_layer
-    tiles = opt.tiled_mlp_tiles
-
-    def tiled(a: LayerActivations) -> float:
-        # TiledMLP keeps only the MLP input (already counted with the norms) and recomputes per tile.
-        return a.total - (a.mlp if tiles > 1 else 0.0)
-
-    largest = moe_layer if n_moe else dense_layer
-    n = par.micro_batch * s / par.cp
-    sp = par.tp if opt.sequence_parallel else 1
-    layer_input = n * m.hidden_size * e / sp
-    mlp_tile = largest.mlp / tiles
-    saved = (m.num_layers - n_moe) * saved_per_layer(m, s, par, opt)
-    if n_moe:
-        saved += n_moe * saved_per_layer(m, s, par, opt, moe_layer=True)
-    if opt.recompute == "full":
-        working = tiled(largest) + mlp_tile  # one layer recomputed during backward
-    else:
-        working = mlp_tile  # backward holds the gradients of the MLP intermediates (one tile's worth)
-    host = 0.0
-    if opt.offload == "checkpoint":
-        host, saved = saved, 2 * layer_input  # one being written, one prefetched
-    elif opt.offload == "layers":
-        per_layer = saved / m.num_layers
-        host, saved = saved, 2 * per_layer
-    if opt.optimizer_offload:
-        host, optimizer = host + optimizer, 0.0
-    final = n * 2 * m.hidden_size * e / sp  # final norm input and output
-    logits = n * m.vocab_size / par.tp * (2 * e + 4) / opt.tiled_loss_tiles
-    return MemoryBreakdown(
-        weights=weights, grads=grads, optimizer=optimizer, activations=saved + final, working=working,
-        attention_workspace=attention_workspace_bytes(m, s, par, e), logits=logits,
-        reserved=reserved_gib * GIB, host_offload=host, per_layer=largest,
-    )
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, heads: int, tp: int = 1, flash: bool = True) -> float:

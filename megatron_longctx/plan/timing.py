@@ -1,24 +1,30 @@
-"""Analytic step time: matmul and attention FLOPs, TP / CP / DP / offload traffic, and what overlaps.
+"""Analytic step time: matmul and attention FLOPs, TP / CP / PP / DP / offload traffic, and what overlaps.
 
 FLOPs: 6·N per token for the matmuls (Kaplan et al. 2020); causal attention per layer
 fwd ≈ 2·b·s²·H, fwd+bwd ≈ 7·b·s²·H (FlashAttention-2 backward ≈ 2.5× forward), 9·b·s²·H when full
-recompute replays the forward.  CP traffic per rank per layer (forward; backward moves K/V and dK/dV):
+recompute replays the forward.  Achieved rates are peak × an efficiency per GPU generation and kernel
+backend (:mod:`.efficiency`).  CP traffic per rank per layer (forward; backward moves K/V and dK/dV):
 ring / all-gather (P−1)/P·2·b·s·hkv·d·e; Ulysses (DeepSpeed-Ulysses, arXiv:2309.14509) four
 all-to-alls of (P−1)/P²·b·s·d·(2hq+2hkv)·e together.  Ring attention (Liu et al. arXiv:2310.01889)
 hides its transfers while each step's block compute is longer than the block's transfer, i.e. when
-tokens per GPU c ≥ (F/B)·(hkv/hq)·e/k (k = 1 causal zigzag, 2 full).
+tokens per GPU c ≥ (F/B)·(hkv/hq)·e/k (k = 1 causal zigzag, 2 full).  Pipeline parallelism runs 1F1B
+(Narayanan et al. arXiv:2104.04473): a step of m micro-batches takes (m + p − 1) stage times, the
+bubble (p − 1)/m of the useful time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
-from .model import MemoryOptions, ModelShape, Parallel, param_counts, params_per_gpu
-
+from .flops import attention_hidden, model_flops
+from .model import MemoryOptions, ModelShape, Parallel, param_counts
+from .states import stage_params
 
 OFFLOAD_CONTENTION = 0.05  # share of a hidden device<->host copy that still slows compute
 TILE_OVERHEAD_S = 1e-4  # per tile and pass of tiled MLP / tiled loss
 HOST_ADAM_PARAMS_PER_S = 1e9  # CPU Adam throughput available to one GPU's optimizer shard
+FAMILIES = ("hopper", "blackwell", "ampere")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,34 +38,38 @@ class Hardware:
     inter_node_gbps: float  # InfiniBand / RoCE per GPU (GB/s)
     host_gbps: float  # PCIe / C2C to pinned host memory (GB/s)
     gpus_per_node: int = 8
-    host_memory_gib_per_gpu: float = 240.0
-    matmul_efficiency: float = 0.6  # achieved / peak for large bf16 GEMMs
-    attention_efficiency: float = 0.5  # achieved / peak for flash attention fwd+bwd
+    host_memory_gib: float = 2048.0  # per node, shared by the job's GPUs on it
+    fp8_tflops: float = 0.0  # dense FP8 peak (0: no FP8 tensor cores)
+    family: str = "hopper"  # GPU generation: picks the default efficiencies
     link_efficiency: float = 0.8  # achieved / nominal bandwidth
     step_latency_s: float = 20e-6  # one ring step / collective launch
 
     def __post_init__(self) -> None:
-        for name in ("memory_gib", "bf16_tflops", "intra_node_gbps", "inter_node_gbps", "host_gbps"):
-            if getattr(self, name) <= 0:
+        for name in ("memory_gib", "bf16_tflops", "intra_node_gbps", "inter_node_gbps", "host_gbps",
+                     "host_memory_gib", "gpus_per_node"):
+            if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}: got {getattr(self, name)}; give a positive number")
+        if self.fp8_tflops < 0:
+            raise ValueError(f"--fp8-tflops: got {self.fp8_tflops}; give a number >= 0")
+        if self.family not in FAMILIES:
+            raise ValueError(f"GPU family {self.family!r}: choose one of {', '.join(FAMILIES)}")
 
     @property
     def flops(self) -> float:
         return self.bf16_tflops * 1e12
 
+    def host_bytes_per_gpu(self, num_gpus: int) -> float:
+        """A node's host memory divided among the job's GPUs on that node."""
+        return self.host_memory_gib * (1 << 30) / min(num_gpus, self.gpus_per_node)
 
-def attention_flops(b: int, s: int, hidden: int, *, causal: bool = True, backward: bool = True,
+
+def attention_flops(b: int, s: int, hidden: float, *, causal: bool = True, backward: bool = True,
                     recompute: bool = False) -> float:
     """FLOPs of one layer's attention core over the whole sequence: ``2·b·s²·H`` causal forward."""
     fwd = 2.0 * b * s * s * hidden * (1.0 if causal else 2.0)
     if not backward:
         return fwd
     return fwd * (3.5 + (1.0 if recompute else 0.0))
-
-
-def attention_hidden(m: ModelShape) -> float:
-    """``H`` of the attention FLOP formula: hq·(d_qk + d_v)/2 (= hq·d without MLA)."""
-    return m.q_heads * (m.d_qk + m.d_v) / 2
 
 
 def ring_bytes(b: int, s: int, kv_heads: float, d_qk: int, d_v: int, p: int, e: int) -> float:
@@ -81,19 +91,26 @@ def ring_overlap_tokens(m: ModelShape, hw: Hardware, *, inter_node: bool, e: int
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    """Seconds of one training step (one micro-batch per data-parallel rank), by part."""
+    """Seconds of one training step (all micro-batches of one data-parallel rank), by part."""
 
     matmul: float
     attention: float
     cp_exposed: float
     tp_comm: float
+    pp_bubble: float  # 1F1B fill and drain: (p − 1) stage times of one micro-batch
+    pp_comm: float  # activations and their gradients between stages
     dp_exposed: float
     offload_exposed: float
-    model_flops_per_gpu: float  # useful FLOPs (no recompute), for MFU
+    model_flops_per_gpu: float  # Megatron's num_floating_point_operations of the step / GPUs (no recompute)
+    micro_batches: int = 1
 
     @property
     def total(self) -> float:
-        return self.matmul + self.attention + self.cp_exposed + self.tp_comm + self.dp_exposed + self.offload_exposed
+        return (self.matmul + self.attention + self.cp_exposed + self.tp_comm + self.pp_bubble + self.pp_comm
+                + self.dp_exposed + self.offload_exposed)
+
+    PARTS = ("matmul", "attention", "cp_exposed", "tp_comm", "pp_bubble", "pp_comm", "dp_exposed",
+             "offload_exposed")
 
 
 def _cp_link(par: Parallel, hw: Hardware) -> float:
@@ -130,16 +147,36 @@ def cp_times(m: ModelShape, s: int, par: Parallel, hw: Hardware, attn_fwd_s: flo
     return attn_fwd_s + attn_bwd_s, exposed
 
 
-def step_time(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, hw: Hardware,
-              host_bytes: float = 0.0) -> StepTime:
-    """Predicted seconds of one step on one GPU (every GPU does the same work; PP = 1)."""
-    e, b, t = opt.bytes_per_element, par.micro_batch, par.tp
+def _matmul_rate(hw: Hardware, opt: MemoryOptions, matmul_eff: float) -> float:
+    if opt.fp8:
+        if hw.fp8_tflops <= 0:
+            raise ValueError(f"--fp8: {hw.name} has no FP8 tensor cores (--fp8-tflops 0); drop --fp8")
+        return hw.fp8_tflops * 1e12 * matmul_eff
+    return hw.flops * matmul_eff
+
+
+def step_time(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, hw: Hardware, host_bytes: float = 0.0,
+              eff: Optional[tuple[float, float]] = None) -> StepTime:
+    """Predicted seconds of one step on one GPU; ``eff`` = (attention, matmul) efficiency.
+
+    Without ``eff`` the expected defaults of :mod:`.efficiency` for the GPU family, the attention
+    backend and the GEMM precision.  Per micro-batch the GPU runs its stage (1/pp of the layers, load
+    balanced); the step is ``m`` of those plus the 1F1B bubble, the exposed gradient reduction once and
+    the host optimizer step.  ``host_bytes``: activation bytes one micro-batch offloads to the host.
+    """
+    if eff is None:
+        from .efficiency import default_efficiencies
+
+        eff = default_efficiencies(hw.family, opt.attention_backend, opt.fp8).point("expected", par.cp)
+    attention_eff, matmul_eff = eff
+    e, b, t, pp, mb = opt.bytes_per_element, par.micro_batch, par.tp, par.pp, par.micro_batches
     n = b * s / par.cp  # tokens on this GPU
     pc = param_counts(m)
     layer_params = pc.attention + (pc.moe_active if m.num_experts else pc.dense_mlp)
     mm_fwd_layer = 2 * n * layer_params / t
     logits_fwd = 2 * n * m.hidden_size * m.vocab_size / t
     attn_fwd_layer = attention_flops(b, s, attention_hidden(m), backward=False) / (par.cp * t)
+    rate = _matmul_rate(hw, opt, matmul_eff)
 
     replay = opt.recompute == "full"
     mlp_share = (pc.moe_active if m.num_experts else pc.dense_mlp) / layer_params
@@ -147,13 +184,13 @@ def step_time(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, hw: Hard
     extra_loss = logits_fwd if opt.tiled_loss_tiles > 1 else 0.0
     mm_flops = m.num_layers * (3 * mm_fwd_layer + (mm_fwd_layer if replay else extra_mlp)) + 3 * logits_fwd
     mm_flops += extra_loss
-    matmul_s = mm_flops / (hw.flops * hw.matmul_efficiency)
+    matmul_s = mm_flops / rate
     if opt.tiled_mlp_tiles > 1:  # smaller GEMMs and a launch per tile, forward and backward
         matmul_s += m.num_layers * 2 * opt.tiled_mlp_tiles * TILE_OVERHEAD_S
     if opt.tiled_loss_tiles > 1:
         matmul_s += 2 * opt.tiled_loss_tiles * TILE_OVERHEAD_S
 
-    attn_fwd_s = attn_fwd_layer / (hw.flops * hw.attention_efficiency)
+    attn_fwd_s = attn_fwd_layer / (hw.flops * attention_eff)
     attn_s, cp_exposed = cp_times(m, s, par, hw, attn_fwd_s, e)
     attention_s = m.num_layers * (attn_s + (attn_fwd_s if replay else 0.0))
     cp_s = m.num_layers * cp_exposed
@@ -163,26 +200,58 @@ def step_time(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, hw: Hard
         unit = (t - 1) / t * n * m.hidden_size * e / (hw.intra_node_gbps * 1e9 * hw.link_efficiency)
         tp_s = m.num_layers * unit * (10 + (4 if replay else 0))
 
-    dp_s = 0.0
-    group = par.dp * par.cp
-    if group > 1:  # fp32 grad reduce-scatter + bf16 param all-gather, overlapped but for the last bucket
-        dense, experts = params_per_gpu(m, par)
+    # Everything above is one micro-batch through the whole model; a GPU runs 1/pp of it per micro-batch.
+    stage_s = (matmul_s + attention_s + cp_s + tp_s) / pp
+    off_s = _activation_offload_s(m, par, opt, hw, host_bytes, mm_fwd_layer / rate + attn_fwd_s)
+    pp_comm = 0.0
+    if pp > 1:  # one activation forward and its gradient back per stage boundary and micro-batch
+        sp = t if opt.sequence_parallel else 1
         link = hw.inter_node_gbps if par.world > hw.gpus_per_node else hw.intra_node_gbps
-        dp_bytes = (group - 1) / group * 6 * (dense + experts)
-        dp_s = dp_bytes / (link * 1e9 * hw.link_efficiency) / m.num_layers + 2 * hw.step_latency_s
+        pp_comm = mb * 2 * (n * m.hidden_size * e / sp) / (link * 1e9 * hw.link_efficiency)
+    bubble = (pp - 1) * (stage_s + off_s)
+    useful = model_flops(m, s, b * mb, "megatron") / (t * par.cp * pp)
+    return StepTime(matmul_s * mb / pp, attention_s * mb / pp, cp_s * mb / pp, tp_s * mb / pp, bubble, pp_comm,
+                    _dp_exposed_s(m, par, opt, hw), mb * off_s + _optimizer_host_s(m, par, opt, hw),
+                    useful, mb)
 
-    off_s = 0.0
+
+def _dp_exposed_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: Hardware) -> float:
+    """Gradient reduce-scatter + parameter all-gather, overlapped but for the last bucket (once a step)."""
+    group = par.dp * par.cp
+    if group == 1:
+        return 0.0
+    sp = stage_params(m, par)
+    link = hw.inter_node_gbps if par.world > hw.gpus_per_node else hw.intra_node_gbps
+    g = 4 if opt.main_grads_dtype == "fp32" else 2
+    dp_bytes = (group - 1) / group * (g + 2) * sp.total * (1.5 if opt.fsdp else 1.0)  # FSDP: re-gather in bwd
+    return dp_bytes / (link * 1e9 * hw.link_efficiency) / sp.layers + 2 * hw.step_latency_s
+
+
+def _optimizer_host_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: Hardware) -> float:
+    """Host optimizer step: fp32 grads down, params up, CPU Adam (once a step, not overlapped)."""
+    if not opt.optimizer_offload:
+        return 0.0
+    sp = stage_params(m, par)
     host_link = hw.host_gbps * 1e9 * hw.link_efficiency
-    if opt.optimizer_offload:  # fp32 grads down, bf16 params up, Adam on the host
-        dense, experts = params_per_gpu(m, par)
-        shard = (dense + experts) / max(par.dp * par.cp, 1)
-        off_s += shard * 6 / host_link + shard / HOST_ADAM_PARAMS_PER_S
-        host_bytes = max(0.0, host_bytes - 12 * shard)
-    if host_bytes > 0:  # activations: copy out in forward, back in backward, one layer at a time
-        per_layer = host_bytes / m.num_layers / host_link
-        fwd_layer = (mm_fwd_layer / (hw.flops * hw.matmul_efficiency)) + attn_fwd_s
-        # Copies share HBM bandwidth with compute: charge a share of them even when hidden.
-        off_s += m.num_layers * 2 * (max(0.0, per_layer - fwd_layer) + OFFLOAD_CONTENTION * per_layer)
+    shard = sp.total if opt.model_state_offload else sp.total / max(par.dp * par.cp, 1)
+    moved = 2 * shard if opt.model_state_offload else 6 * shard  # streamed grads are on the host already
+    return moved / host_link + shard / HOST_ADAM_PARAMS_PER_S
 
-    useful = m.num_layers * (3 * mm_fwd_layer + attn_fwd_layer * 3.5) + 3 * logits_fwd
-    return StepTime(matmul_s, attention_s, cp_s, tp_s, dp_s, off_s, useful)
+
+def _activation_offload_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: Hardware, host_bytes: float,
+                          fwd_layer_s: float) -> float:
+    """Exposed host copies of one micro-batch on this GPU's stage: activations out and back, model states."""
+    host_link = hw.host_gbps * 1e9 * hw.link_efficiency
+    off_s = 0.0
+    sp = stage_params(m, par)
+    if opt.model_state_offload:  # per layer: weights in for forward and again for backward, grads out
+        g = 4 if opt.main_grads_dtype == "fp32" else 2
+        per_layer = (2 * 2 + g) * sp.total / sp.layers / host_link
+        off_s += sp.layers * (max(0.0, per_layer - 3 * fwd_layer_s) + OFFLOAD_CONTENTION * per_layer)
+    act = host_bytes
+    if act > 0:  # activations: copy out in forward, back in backward, one layer at a time
+        per_layer = act / sp.layers / host_link
+        # Copies share HBM bandwidth with compute: charge a share of them even when hidden.
+        off_s += sp.layers * 2 * (max(0.0, per_layer - fwd_layer_s) + OFFLOAD_CONTENTION * per_layer)
+    return off_s
+

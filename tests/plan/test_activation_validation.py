@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from megatron_longctx import cpu_compat
-from megatron_longctx.plan.model import MemoryOptions, ModelShape, Parallel, layer_activations, saved_per_layer
+from megatron_longctx.plan.memory import saved_per_layer
+from megatron_longctx.plan.model import MemoryOptions, ModelShape, Parallel, layer_activations
 from tests.dist import megatron_parallel, run_ranks
 
 BATCH, VOCAB = 2, 64

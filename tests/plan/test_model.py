@@ -7,13 +7,12 @@ import dataclasses
 import pytest
 
 from megatron_longctx.plan import presets
+from megatron_longctx.plan.flops import attention_hidden
+from megatron_longctx.plan.memory import memory_breakdown
 from megatron_longctx.plan.model import (
-    GIB, MemoryOptions, ModelShape, Parallel, korthikanti_layer_bytes, layer_activations, memory_breakdown,
-    param_counts,
+    GIB, MemoryOptions, ModelShape, Parallel, korthikanti_layer_bytes, layer_activations, param_counts,
 )
-from megatron_longctx.plan.timing import (
-    attention_flops, attention_hidden, ring_bytes, ring_overlap_tokens, step_time, ulysses_bytes,
-)
+from megatron_longctx.plan.timing import attention_flops, ring_bytes, ring_overlap_tokens, step_time, ulysses_bytes
 
 # A GPT-3-style layer: MHA, GELU MLP of 4h, LayerNorm, no RoPE, dropout, 16-bit.
 GPT3 = ModelShape(name="gpt3-like", num_layers=1, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
@@ -93,14 +92,14 @@ def test_ring_overlap_threshold_matches_anchor():
 
 def test_ring_exposes_communication_only_below_the_threshold():
     m, hw = presets.model("llama3-8b"), presets.gpu("h100")
-    opt = MemoryOptions()
-    big = step_time(m, 8 * 65536, Parallel(cp=8), opt, hw)  # 64K tokens/GPU >> 1.1K
-    small = step_time(m, 8 * 128, Parallel(cp=8), opt, hw)  # 128 tokens/GPU << 1.1K
+    opt, eff = MemoryOptions(), (0.5, 0.6)  # (attention, matmul) efficiency
+    big = step_time(m, 8 * 65536, Parallel(cp=8), opt, hw, eff=eff)  # 64K tokens/GPU >> 1.1K
+    small = step_time(m, 8 * 128, Parallel(cp=8), opt, hw, eff=eff)  # 128 tokens/GPU << 1.1K
     latency = 2 * 8 * hw.step_latency_s * m.num_layers
     assert big.cp_exposed == pytest.approx(latency)
     link = hw.intra_node_gbps * 1e9 * hw.link_efficiency
     comm = ring_bytes(1, 8 * 128, 8, 128, 128, 8, 2) / link  # K/V transfers of one layer's forward
-    compute = attention_flops(1, 8 * 128, 4096, backward=False) / 8 / (hw.flops * hw.attention_efficiency)
+    compute = attention_flops(1, 8 * 128, 4096, backward=False) / 8 / (hw.flops * eff[0])
     assert comm > 2.5 * compute  # below the threshold: the ring waits for its transfers
     exposed = (comm - compute) + (2 * comm - 2.5 * compute)
     assert small.cp_exposed == pytest.approx(latency + m.num_layers * exposed)

@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     ("llama3-8b", 8, 1 << 19, {"offload": "checkpoint", "optimizer_offload": True}),
     ("mixtral-8x7b", 16, 262144, {}),
     ("deepseek-v2-lite", 8, 262144, {}),
+    ("llama3-8b", 8, 131072, {"pp": 2, "global_batch_size": 8, "main_grads_dtype": "bf16", "fp8": True}),
+    ("llama3-8b", 8, 131072, {"fsdp": True, "cp": 8}),
 ])
 def test_emitted_flags_parse(name, gpus, seq, fixed):
     from megatron_longctx.megatron.args import config_from_args
@@ -102,6 +104,10 @@ def test_emitted_flags_parse(name, gpus, seq, fixed):
             assert args.hierarchical_context_parallel_sizes == [par.ulysses_size, par.cp // par.ulysses_size]
         assert args.recompute_granularity == ("full" if plan.options.recompute == "full"
                                               and plan.options.offload != "checkpoint" else None)
+        assert args.pipeline_model_parallel_size == par.pp and args.global_batch_size == plan.global_batch_size
+        assert args.main_grads_dtype == plan.options.main_grads_dtype
+        assert args.use_megatron_fsdp == plan.options.fsdp and (args.fp8 is not None) == plan.options.fp8
+        assert args.create_attention_mask_in_dataloader is False
     else:
         args, _ = parser.parse_known_args(flags)
     cfg = config_from_args(args)
