@@ -3,16 +3,13 @@
 # inside the NGC container built from ../Dockerfile (see "Running inside the NGC container" in ../README.md).
 # Planner (python -m megatron_longctx.plan.recipes regenerates this from the flags below):
 #   this recipe: TP4 CP16 (p2p) DP1, recompute none, offload layers, MLP tiles 4, loss tiles 8;
-#     dataloader mask ON
+#     dataloader mask off
 #   predicted memory per GPU (GiB): weights (bf16) 32.9, grads (fp32 buffer) 65.7, optimizer (dist.,
 #     fp32 m/v/master) 12.3, activations saved 4.2, layer working set 0.7, attention workspace 1.4, SP
-#     all-gather (TP) 1.0, logits + loss 2.0, dataloader mask 1024.0, reserved 3.0
-#   predicted peak 1,145.1 GiB of 140 GiB (does NOT fit); host 5,268 GiB per GPU
+#     all-gather (TP) 1.0, logits + loss 2.0, reserved 3.0
+#   predicted peak 121.1 GiB of 140 GiB (fits); host 148 GiB per GPU
 #   predicted step 270.0 s (range 236.2-315.1 s), 61 tokens/s per GPU, 276 TFLOP/s per GPU, MFU 28% in
 #     Megatron's num_floating_point_operations convention (attention 0.32 of peak in-step, backend auto)
-#   warning: Megatron's dataloader builds a dense [b, 1, s, s] attention mask: 1,024.0 GiB per GPU and
-#     5,120 GiB of host memory per sample while it is made; this package's attention ignores it: add
-#     --no-create-attention-mask-in-dataloader
 #   the planner's pick for this job (megatron-longctx plan --model llama3-70b --seq-length 1M --num-gpus
 #     64 --gpu h200): TP4 CP16 (p2p) DP1, recompute none, offload layers, MLP tiles 2, loss tiles 8,
 #     optimizer on host, peak 109.5 GiB, 60 tokens/s per GPU (global batch 1)

@@ -3,16 +3,13 @@
 # inside the NGC container built from ../Dockerfile (see "Running inside the NGC container" in ../README.md).
 # Planner (python -m megatron_longctx.plan.recipes regenerates this from the flags below):
 #   this recipe: TP2 CP4 (p2p) DP1, recompute none, offload none, MLP tiles 1, loss tiles 8; dataloader
-#     mask ON
+#     mask off
 #   predicted memory per GPU (GiB): weights (bf16) 7.5, grads (fp32 buffer) 15.0, optimizer (dist., fp32
 #     m/v/master) 11.2, activations saved 73.3, layer working set 1.3, attention workspace 0.9, SP all-
-#     gather (TP) 0.2, logits + loss 2.0, dataloader mask 16.0, reserved 3.0
-#   predicted peak 128.4 GiB of 140 GiB (fits); host 80 GiB per GPU
+#     gather (TP) 0.2, logits + loss 2.0, reserved 3.0
+#   predicted peak 112.4 GiB of 140 GiB (fits)
 #   predicted step 7.7 s (range 6.8-9.0 s), 2,121 tokens/s per GPU, 314 TFLOP/s per GPU, MFU 32% in
 #     Megatron's num_floating_point_operations convention (attention 0.32 of peak in-step, backend auto)
-#   warning: Megatron's dataloader builds a dense [b, 1, s, s] attention mask: 16.0 GiB per GPU and 80
-#     GiB of host memory per sample while it is made; this package's attention ignores it: add --no-
-#     create-attention-mask-in-dataloader
 #   the planner's pick for this job (megatron-longctx plan --model llama3-8b --seq-length 128K --num-
 #     gpus 8 --gpu h200): TP2 CP1 (p2p) DP4, recompute none, offload layers, MLP tiles 4, loss tiles 1,
 #     peak 109.0 GiB, 2,200 tokens/s per GPU (global batch 4)

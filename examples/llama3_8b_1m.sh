@@ -3,16 +3,13 @@
 # inside the NGC container built from ../Dockerfile (see "Running inside the NGC container" in ../README.md).
 # Planner (python -m megatron_longctx.plan.recipes regenerates this from the flags below):
 #   this recipe: TP1 CP8 (p2p) DP1, recompute full, offload none, MLP tiles 4, loss tiles 8; dataloader
-#     mask ON
+#     mask off
 #   predicted memory per GPU (GiB): weights (bf16) 15.0, grads (fp32 buffer) 29.9, optimizer (dist.,
 #     fp32 m/v/master) 11.2, activations saved 34.0, layer working set 10.4, attention workspace 7.0,
-#     logits + loss 15.7, dataloader mask 1024.0, reserved 3.0
-#   predicted peak 1,134.5 GiB of 140 GiB (does NOT fit); host 5,120 GiB per GPU
+#     logits + loss 15.7, reserved 3.0
+#   predicted peak 110.5 GiB of 140 GiB (fits)
 #   predicted step 533.7 s (range 466.8-623.1 s), 246 tokens/s per GPU, 214 TFLOP/s per GPU, MFU 22% in
 #     Megatron's num_floating_point_operations convention (attention 0.32 of peak in-step, backend auto)
-#   warning: Megatron's dataloader builds a dense [b, 1, s, s] attention mask: 1,024.0 GiB per GPU and
-#     5,120 GiB of host memory per sample while it is made; this package's attention ignores it: add
-#     --no-create-attention-mask-in-dataloader
 #   the planner's pick for this job (megatron-longctx plan --model llama3-8b --seq-length 1M --num-gpus
 #     8 --gpu h200): TP2 CP1 (p2p) DP4, recompute full, offload checkpoint, MLP tiles 32, loss tiles
 #     128, peak 109.1 GiB, 271 tokens/s per GPU (global batch 4)

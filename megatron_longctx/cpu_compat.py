@@ -55,6 +55,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_longctx.kernels.cuda_presence import require_usable_cuda
+
 _lock = threading.Lock()
 _depth = 0
 _saved: list[tuple[Any, str, Any]] = []
@@ -306,6 +308,7 @@ def enable() -> None:
     global _depth
     if not needed():
         return
+    require_usable_cuda()  # GPUs in sight but unusable: say so rather than train on the CPU
     with _lock:
         _depth += 1
         if _depth > 1:
@@ -322,6 +325,7 @@ def disable() -> None:
     global _depth
     if not needed():
         return
+    require_usable_cuda()  # GPUs in sight but unusable: say so rather than train on the CPU
     with _lock:
         if _depth == 0:
             return

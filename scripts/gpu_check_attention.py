@@ -3,7 +3,7 @@ schedule of P ranks (causal, windowed, packed) run block by block on one device 
 
 The ring's calls come from the public pieces only: the shards of :func:`megatron_longctx.attention.
 shard_sequence` / :func:`~megatron_longctx.attention.shard_packed` (which global positions each rank
-holds) and :func:`megatron_longctx.attention.segments.plan_blocks` over (rank ``r``'s query segments,
+holds) and :func:`megatron_longctx.attention.segments.schedule_blocks` over (rank ``r``'s query segments,
 rank ``r - t``'s key segments) for every offset ``t`` — what the ring runs — then
 :func:`~megatron_longctx.attention.segments.attend_segments` (+ ``_backward``).  The schedule's pair
 count is checked against :func:`~megatron_longctx.attention.schedule_flops` and the exact number of
@@ -159,7 +159,7 @@ def _layout(kind: str, s: int, p: int, mask) -> tuple[list[list[int]], list[tupl
 
 def _schedule(kind: str, s: int, p: int, mask) -> tuple[list, list, list, int]:
     """Every rank's ring calls: ``steps[t][r]`` = [(q rows, k rows, calls)] per document; pairs."""
-    from megatron_longctx.attention.segments import plan_blocks
+    from megatron_longctx.attention.segments import schedule_blocks
 
     held, docs = _layout(kind, s, p, mask)
     per_rank = [_rank_docs(h, docs) for h in held]
@@ -170,9 +170,9 @@ def _schedule(kind: str, s: int, p: int, mask) -> tuple[list, list, list, int]:
             calls = []
             for (d, q_rows, q_segs), (_, k_rows, k_segs) in zip(per_rank[r], per_rank[(r - t) % p]):
                 if q_segs and k_segs:
-                    planned = plan_blocks(q_segs, k_segs, mask)
-                    pairs += sum(c.pairs for c in planned)
-                    calls.append((q_rows, k_rows, planned))
+                    blocks = schedule_blocks(q_segs, k_segs, mask)
+                    pairs += sum(c.pairs for c in blocks)
+                    calls.append((q_rows, k_rows, blocks))
             step.append(calls)
         steps.append(step)
     return held, docs, steps, pairs

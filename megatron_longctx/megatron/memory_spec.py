@@ -117,9 +117,10 @@ def _validate_against_model(cfg: MemoryConfig, chunks: list[torch.nn.Module]) ->
         return
     if cfg.recompute_enabled and getattr(config, "recompute_granularity", None):
         raise ValueError(
-            "--longctx-recompute-granularity: the model also has Megatron's recompute "
-            f"(recompute_granularity={config.recompute_granularity!r}); drop --recompute-granularity or set "
-            "--longctx-recompute-granularity none")
+            "--recompute-granularity: the plugin runs the recompute (MemoryConfig.recompute_granularity="
+            f"{cfg.recompute_granularity!r}) but the model also has Megatron's own "
+            f"(TransformerConfig.recompute_granularity={config.recompute_granularity!r}); set it on one of them "
+            "only (the launcher clears Megatron's when the plugin runs it)")
     if cfg.offload_enabled and (getattr(config, "cpu_offloading", False)
                                 or getattr(config, "fine_grained_activation_offloading", False)):
         raise ValueError("--longctx-offload-policy: the model also has Megatron's activation offloading; "

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from megatron_longctx.config import FEATURES, LongContextConfig, flag_name
+from megatron_longctx.flags import MEGATRON_FLAGS
 
 from .model import GIB, ModelShape
 from .recommend import Plan
@@ -57,7 +58,7 @@ def longctx_flags(plan: Plan) -> list[str]:
     """``--longctx-*`` flags for the values of :func:`longctx_options` that differ from the defaults."""
     defaults, argv = _defaults(), []
     for name, value in longctx_options(plan).items():
-        if value == defaults.get(name):
+        if value == defaults.get(name) or name in MEGATRON_FLAGS:  # given as Megatron's own flag
             continue
         if isinstance(value, bool):  # argparse.BooleanOptionalAction: --longctx-x / --no-longctx-x
             argv.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
@@ -127,7 +128,7 @@ def megatron_flags(plan: Plan) -> list[str]:
             argv += ["--hierarchical-context-parallel-sizes", par.ulysses_size, par.cp // par.ulysses_size]
     if par.ep > 1:
         argv += ["--expert-model-parallel-size", par.ep]
-    if opt.recompute == "full" and opt.offload != "checkpoint":
+    if opt.recompute == "full" or opt.offload == "checkpoint":  # checkpoint offload rides on full recompute
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     elif opt.recompute == "selective":
         argv += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-query-groups", type=int, default=None)
     p.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None)
-    for flag in ("--cp-comm-type", "--recompute-granularity", "--longctx-recompute-granularity",
+    for flag in ("--cp-comm-type", "--recompute-granularity",
                  "--longctx-offload-policy", "--longctx-cp-kernel-backend", "--main-grads-dtype", "--fp8-format"):
         p.add_argument(flag, default=None)
     for flag in ("--optimizer-cpu-offload", "--use-megatron-fsdp"):
@@ -81,7 +81,7 @@ def recipe_plan(text: str) -> Plan:
     u = args.hierarchical_context_parallel_sizes[0] if comm == "a2a+p2p" else 1
     par = Parallel(tp=tp, cp=cp, dp=dp, pp=pp, cp_comm_type=comm, ulysses_size=u, micro_batch=args.micro_batch_size,
                    micro_batches=max(1, args.global_batch_size // (args.micro_batch_size * dp)))
-    full = "full" in (args.recompute_granularity, args.longctx_recompute_granularity)
+    full = args.recompute_granularity == "full"
     offload = {"checkpoint": "checkpoint", "layers": "layers"}.get(args.longctx_offload_policy, "none")
     backend = {"flash_attn": "flash_attn2", "sdpa_cuda": "sdpa_cuda"}.get(args.longctx_cp_kernel_backend, "auto")
     opt = MemoryOptions(recompute="full" if full else "none", offload=offload,

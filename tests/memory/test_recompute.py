@@ -107,7 +107,7 @@ def _megatron_recompute_refused_with_ours_on():
 
     with cpu(), megatron_parallel(tp=2):
         model = build_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        with pytest.raises(ValueError, match="--longctx-recompute-granularity"):
+        with pytest.raises(ValueError, match="--recompute-granularity: the plugin runs the recompute"):
             install(model, MemoryConfig(recompute_granularity="full"))
 
 
