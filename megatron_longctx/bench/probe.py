@@ -25,15 +25,16 @@ import torch.distributed as dist
 from megatron_longctx import cpu_compat
 from megatron_longctx.bench.configs import default_configs
 from megatron_longctx.megatron import data as data_mod
-from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, ModelShape, OptimConfig, Trainer, device, median,
+from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
                                                 over_budget_exit, preimport_megatron, rss_bytes, run_steps)
 
 
-def model_flops_per_step(shape: ModelShape, tokens: int) -> float:
+def model_flops_per_step(shape: GPTShape, tokens: int) -> float:
     """Model FLOPs of one training step (forward + backward, causal attention, no recompute counted)."""
     h, f, layers, s = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers, shape.seq_length
     kv = h // shape.num_attention_heads * shape.num_query_groups
-    dense = layers * (h * (h + 2 * kv) + h * h + 2 * h * f) + h * shape.vocab_size  # weights used per token
+    fc1 = 2 * f if shape.swiglu else f  # SwiGLU's fc1 holds the gate and the up projection
+    dense = layers * (h * (h + 2 * kv) + h * h + h * fc1 + f * h) + h * shape.vocab_size  # weights used per token
     attention = layers * s * h  # causal QK^T and PV: 2·s·h multiply-adds per token, halved by the mask
     return 6.0 * tokens * (dense + attention)
 
@@ -47,7 +48,7 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
     """Train one point; the record the benchmark reports for it."""
     configs = {c.name: c for c in default_configs(task["cp"])}
     variant = configs[config_name].variant
-    shape = ModelShape(**{**task["shape"], "seq_length": seq_length})
+    shape = GPTShape(**{**task["shape"], "seq_length": seq_length})
     gbs = task["global_batch_size"] or dist.get_world_size() // variant.context_parallel_size
     steps = task["warmup"] + task["steps"]
     tokenizer = data_mod.ByteTokenizer()
@@ -67,7 +68,6 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
             over_budget_exit(torch.cuda.max_memory_allocated(), budget)
         raise
     finally:
-        fallbacks = dict(trainer.fallbacks)
         trainer.close()
         del trainer
         gc.collect()
@@ -76,15 +76,17 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
     dist.all_reduce(peaks)
     timed = results[task["warmup"]:] or results
     step_time = median([r.step_time_s for r in timed])
+    cpu = torch.tensor([median([r.cpu_time_s for r in timed])], dtype=torch.float64, device=device())
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)  # the slowest rank's process CPU-seconds per step
     tokens = timed[0].tokens
     flops = model_flops_per_step(shape, tokens)
     return {
         "config": config_name, "seq_length": seq_length, "status": "ok", "global_batch_size": gbs,
         "step_times_s": [r.step_time_s for r in timed], "step_time_s": step_time,
+        "cpu_s_per_step": float(cpu.item()), "cpu_us_per_token": float(cpu.item()) / tokens * 1e6,
         "tokens_per_s": tokens / step_time, "model_tflops": flops / step_time / 1e12 / dist.get_world_size(),
         "peak_mem_bytes_per_rank": [int(p) for p in peaks], "peak_mem_bytes": int(peaks.max()),
         "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-        "fallbacks": fallbacks,
     }
 
 
