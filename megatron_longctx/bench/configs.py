@@ -28,9 +28,30 @@ from megatron_longctx.megatron.training import Variant
 REFERENCE = "megatron-unfused"  # the parity reference row (Megatron's own local spec)
 FLASH_RECOMPUTE = "megatron-flash+recompute"  # the time-per-token reference of the goal
 
-# Memory features, as --longctx-* field values (MemoryConfig).
+# Memory features, as --longctx-* field values (MemoryConfig).  The offloaded layer inputs leave the
+# device: for host memory on a GPU; on a CPU-only process host memory *is* the device memory, so the
+# stand-in is the disk (offload_target=disk), which is what lowers resident memory there.
 OFFLOAD = (("recompute_granularity", "full"), ("offload_policy", "checkpoint"))
 TILED = (("tiled_mlp_tiles", 4), ("tiled_loss_tiles", 4))
+# Tiles sized per sequence (as ALST does): at most this many tokens per rank in one tile, at least 4 tiles.
+MLP_TILE_TOKENS = 1024
+LOSS_TILE_TOKENS = 512
+
+
+def offload_options() -> tuple:
+    import torch
+
+    return OFFLOAD + (("offload_target", "host" if torch.cuda.is_available() else "disk"),)
+
+
+def tiles_for(variant: Variant, tokens_per_rank: int) -> Variant:
+    """``variant`` with its tiled MLP / loss tile counts sized for ``tokens_per_rank`` (unchanged if untiled)."""
+    options = variant.options()
+    sized = {"tiled_mlp_tiles": MLP_TILE_TOKENS, "tiled_loss_tiles": LOSS_TILE_TOKENS}
+    for key, tile in sized.items():
+        if options.get(key):
+            options[key] = max(4, -(-tokens_per_rank // tile))
+    return dataclasses.replace(variant, longctx_options=tuple(options.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +105,29 @@ def default_configs(cp: int) -> list[BenchConfig]:
         plugin("allgather", "allgather"),
         plugin("ulysses", "ulysses"),
         plugin("hybrid", "hybrid", min_cp=4, desc=f"plugin, CP={cp}, Ulysses(2) x ring"),
-        plugin("ring+offload", "ring", OFFLOAD, f"plugin, CP={cp}, ring, full recompute + checkpoint offload"),
-        plugin("ring+tiled", "ring", TILED, f"plugin, CP={cp}, ring, tiled MLP + tiled loss (4 tiles)"),
-        plugin("ring+all", "ring", OFFLOAD + TILED,
+        plugin("ring+offload", "ring", offload_options(),
+               f"plugin, CP={cp}, ring, full recompute + checkpoint offload"),
+        plugin("ring+tiled", "ring", TILED, f"plugin, CP={cp}, ring, tiled MLP + tiled loss "
+               f"(<= {MLP_TILE_TOKENS} / {LOSS_TILE_TOKENS} tokens per tile, >= 4 tiles)"),
+        plugin("ring+all", "ring", offload_options() + TILED,
                f"plugin, CP={cp}, ring, recompute + checkpoint offload + tiled MLP/loss"),
     ]
+
+
+def unfused_scores_bytes(shape: dict[str, Any], seq_length: int) -> int:
+    """Bytes per rank the unfused attention keeps for backward: scores and probabilities, float32, every layer."""
+    return 8 * shape["num_layers"] * shape["num_attention_heads"] * seq_length ** 2
+
+
+def sweep_skip_reason(config: BenchConfig, shape: dict[str, Any], seq_length: int, limit_bytes: int) -> Optional[str]:
+    """Why the sweep leaves out ``config`` at ``seq_length`` (the unfused scores would not fit a shared machine)."""
+    if config.variant.plugin:
+        return None
+    need = unfused_scores_bytes(shape, seq_length)
+    if need <= limit_bytes:
+        return None
+    return (f"skipped: unfused attention keeps ~{need / 2**30:.1f} GiB/rank of scores at this length "
+            f"(over --sweep-mem-limit-mib {limit_bytes / 2**20:.0f})")
 
 
 def unavailable_reason(config: BenchConfig, cp: int, num_query_groups: int) -> Optional[str]:

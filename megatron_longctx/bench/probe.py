@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_longctx import cpu_compat
-from megatron_longctx.bench.configs import default_configs
+from megatron_longctx.bench.configs import default_configs, tiles_for
 from megatron_longctx.megatron import data as data_mod
 from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
                                                 over_budget_exit, preimport_megatron, rss_bytes, run_steps)
@@ -47,7 +47,7 @@ def _cap_gpu_memory(budget_bytes: int) -> None:
 def measure_point(task: dict[str, Any], config_name: str, seq_length: int, dataset_prefix: str) -> dict[str, Any]:
     """Train one point; the record the benchmark reports for it."""
     configs = {c.name: c for c in default_configs(task["cp"])}
-    variant = configs[config_name].variant
+    variant = tiles_for(configs[config_name].variant, seq_length // configs[config_name].variant.context_parallel_size)
     shape = GPTShape(**{**task["shape"], "seq_length": seq_length})
     gbs = task["global_batch_size"] or dist.get_world_size() // variant.context_parallel_size
     steps = task["warmup"] + task["steps"]
@@ -106,8 +106,11 @@ def run_task(task: dict[str, Any]) -> list[dict[str, Any]]:
         run_in_job(task["search"], lambda seq: _safe_point(task, task["configs"][0], seq, prefix),
                    task["progress"], dist.get_rank() == 0)
         return records
+    skip = {(name, seq) for name, seq in task.get("skip", [])}
     for config_name in task["configs"]:
         for seq_length in sorted(task["seq_lengths"]):
+            if (config_name, seq_length) in skip:
+                continue
             records.append(_safe_point(task, config_name, seq_length, prefix))
             if dist.get_rank() == 0:
                 _write(task["out"], records)

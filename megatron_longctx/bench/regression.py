@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 
 from megatron_longctx.bench import compare as compare_mod
 from megatron_longctx.bench import report
-from megatron_longctx.bench.configs import FLASH_RECOMPUTE, REFERENCE, baseline_configs, default_configs, select, unavailable_reason
+from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, baseline_configs, default_configs, select,
+                                            sweep_skip_reason, unavailable_reason)
 from megatron_longctx.bench.headline import headline_line, max_seq_headline
 from megatron_longctx.bench.maxseq import drive, search_max_seq
 
@@ -43,7 +44,7 @@ BUDGET_MARKER = "[memory budget]"
 PRESETS: dict[str, dict[str, Any]] = {
     "llama": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
               "ffn_hidden_size": 896, "vocab_size": 8192, "swiglu": True, "normalization": "RMSNorm",
-              "add_bias_linear": False, "budget_mib": 256.0},
+              "add_bias_linear": False, "budget_mib": 160.0},
     "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 256, "vocab_size": None, "swiglu": False, "normalization": "LayerNorm",
              "add_bias_linear": True, "budget_mib": 64.0},
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
     p.add_argument("--max-seq-resolution", type=float, default=0.25, help="bisection stops at this relative gap")
     p.add_argument("--skip-max-seq", action="store_true")
+    p.add_argument("--sweep-mem-limit-mib", type=float, default=2048,
+                   help="the sweep skips megatron-unfused where its s x s scores alone would pass this per rank")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--compare", default=None, metavar="PREVIOUS_JSON", help="fail on regressions against this run")
     p.add_argument("--tolerance", default="5%", help="allowed slowdown / memory growth for --compare")
@@ -218,7 +221,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
                  "data_dir": os.path.join(args.output_dir, "data")}
     start = time.perf_counter()
     log(f"sweep: {len(runnable)} configurations x {len(seqs)} lengths on {cp} ranks ...")
-    rc, output, records = run_probe_job(dict(base_task, configs=runnable, seq_lengths=seqs), cp, args.timeout)
+    by_name = {c.name: c for c in configs}
+    skipped = [{"config": n, "seq_length": s, "status": why} for n in runnable for s in seqs
+               if (why := sweep_skip_reason(by_name[n], shape, s, int(args.sweep_mem_limit_mib * 2**20)))]
+    skip = [[r["config"], r["seq_length"]] for r in skipped]
+    rc, output, records = run_probe_job(dict(base_task, configs=runnable, seq_lengths=seqs, skip=skip), cp,
+                                        args.timeout)
+    records += skipped
     measured = {(r["config"], r["seq_length"]) for r in records}
     for name in runnable:
         for seq in seqs:
@@ -226,7 +235,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
                 records.append({"config": name, "seq_length": seq,
                                 "status": f"failed: sweep job exit {rc}: {_tail(output)}"})
     result["sweep"] = records
-    report.annotate(result["sweep"], REFERENCE, FLASH_RECOMPUTE)
+    report.annotate(result["sweep"], [REFERENCE, "megatron-flash"], FLASH_RECOMPUTE)
     log(f"sweep done in {time.perf_counter() - start:.0f} s")
     if not args.skip_max_seq:
         wanted = [n.strip() for n in args.max_seq_configs.split(",") if n.strip()]

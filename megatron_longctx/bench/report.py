@@ -21,12 +21,17 @@ def step_cost(point: dict[str, Any]) -> float:
     return point.get("cpu_s_per_step") or point["step_time_s"]
 
 
-def annotate(sweep: list[dict[str, Any]], baseline: str, time_reference: Optional[str] = None) -> None:
+def annotate(sweep: list[dict[str, Any]], baseline: str | list[str], time_reference: Optional[str] = None) -> None:
     """Add ratios to, and loss / grad-norm parity with, the baseline at the same sequence length (in place).
 
-    ``time_reference`` (optional): also ``time_ratio_vs_<name>`` against that configuration.
+    ``baseline``: a name, or names in order of preference (the first measured at a length is that
+    length's reference, named in ``parity_reference``).  ``time_reference`` (optional): also
+    ``time_ratio_vs_<name>`` against that configuration.
     """
-    base = {p["seq_length"]: p for p in sweep if p["config"] == baseline and p.get("status") == "ok"}
+    names = [baseline] if isinstance(baseline, str) else list(baseline)
+    base: dict[int, dict[str, Any]] = {}
+    for name in reversed(names):
+        base.update({p["seq_length"]: p for p in sweep if p["config"] == name and p.get("status") == "ok"})
     if time_reference:
         tref = {p["seq_length"]: p for p in sweep if p["config"] == time_reference and p.get("status") == "ok"}
         for point in sweep:
@@ -40,6 +45,7 @@ def annotate(sweep: list[dict[str, Any]], baseline: str, time_reference: Optiona
                         "grad_norm_max_rel_diff", "parity_ok"):
                 point.setdefault(key, None)
             continue
+        point["parity_reference"] = ref["config"]
         point["time_ratio_vs_baseline"] = step_cost(point) / step_cost(ref)
         point["mem_ratio_vs_baseline"] = point["peak_mem_bytes"] / max(1, ref["peak_mem_bytes"])
         n = min(len(point["losses"]), len(ref["losses"]))
@@ -78,9 +84,10 @@ def markdown(result: dict[str, Any]) -> str:
              f"{shape['ffn_hidden_size']}{' SwiGLU' if shape.get('swiglu') else ''}, "
              f"{shape.get('normalization', 'LayerNorm')}, vocabulary {shape['vocab_size']}; median of "
              f"{meta['steps']} timed steps after {meta['warmup']} warm-up; time = the slowest rank's CPU-seconds "
-             f"per step; ratios against rows of the same run (load average {meta.get('loadavg', '?')}).", "",
-             "| config | seq | CPU s/step | µs/token | × unfused time | × flash+recompute time | peak MiB/rank "
-             "| × unfused mem | loss Δrel | grad-norm Δrel | parity |",
+             f"per step; ratios against rows of the same run (load average {meta.get('loadavg', '?')}); ref = "
+             "megatron-unfused, or megatron-flash where the unfused scores would not fit.", "",
+             "| config | seq | CPU s/step | µs/token | × ref time | × flash+recompute time | peak MiB/rank "
+             "| × ref mem | loss Δrel | grad-norm Δrel | parity |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in sorted(result["sweep"], key=lambda p: (p["seq_length"], _order(result, p["config"]))):
         if p.get("status") != "ok":
