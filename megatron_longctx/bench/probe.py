@@ -12,6 +12,7 @@ resident memory added since the point began passes it; on GPU the caching alloca
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -60,9 +61,16 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
         torch.cuda.empty_cache()
         _cap_gpu_memory(budget)
     trainer = Trainer(shape, variant, OptimConfig(lr=task["lr"]), gbs, task["seed"])
+    live = None
+    if task.get("trace_live"):  # what the step's peak is made of (bench.live_memory)
+        from megatron_longctx.bench.live_memory import LiveTensors
+
+        live = LiveTensors()
+        live.watch(trainer.model)
     try:
-        results = run_steps(trainer, lambda step: data_mod.global_batch(dataset, step, gbs), 0, steps,
-                            budget_bytes=None if torch.cuda.is_available() else budget, base_bytes=base)
+        with live if live is not None else contextlib.nullcontext():
+            results = run_steps(trainer, lambda step: data_mod.global_batch(dataset, step, gbs), 0, steps,
+                                budget_bytes=None if torch.cuda.is_available() else budget, base_bytes=base)
     except torch.cuda.OutOfMemoryError:
         if budget:  # the capped allocator refused: this probe does not fit the budget
             over_budget_exit(torch.cuda.max_memory_allocated(), budget)
@@ -80,7 +88,9 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
     dist.all_reduce(cpu, op=dist.ReduceOp.MAX)  # the slowest rank's process CPU-seconds per step
     tokens = timed[0].tokens
     flops = model_flops_per_step(shape, tokens)
+    traced = {} if live is None else {"live_peak_bytes": live.peak, "live_peak_by_label": live.peak_by_label}
     return {
+        **traced,
         "config": config_name, "seq_length": seq_length, "status": "ok", "global_batch_size": gbs,
         "step_times_s": [r.step_time_s for r in timed], "step_time_s": step_time,
         "cpu_s_per_step": float(cpu.item()), "cpu_us_per_token": float(cpu.item()) / tokens * 1e6,

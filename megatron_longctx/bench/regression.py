@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
     p.add_argument("--max-seq-resolution", type=float, default=0.25, help="bisection stops at this relative gap")
     p.add_argument("--skip-max-seq", action="store_true")
+    p.add_argument("--peers", action="store_true",
+                   help="also run the peers side by side (python -m megatron_longctx.bench.peers, its defaults) "
+                        "and add them to the JSON and markdown")
     p.add_argument("--sweep-mem-limit-mib", type=float, default=2048,
                    help="the sweep skips megatron-unfused where its s x s scores alone would pass this per rank")
     p.add_argument("--no-plots", action="store_true")
@@ -281,6 +284,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if previous.get("schema") != report.SCHEMA:
             raise ValueError(f"--compare {args.compare}: schema {previous.get('schema')!r}, expected {report.SCHEMA!r}")
     result = run(args)
+    if args.peers:
+        from megatron_longctx.bench import peers
+
+        result["peers"] = peers.run(peers.build_parser().parse_args([]))
     findings = compare_mod.compare(result, previous, tolerance) if previous is not None else []
     if previous is not None:
         result["regressions"] = [f.as_dict() for f in findings]
@@ -288,6 +295,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     json_path = os.path.join(args.output_dir, "bench.json")
     report.write_json(result, json_path)
     table = report.markdown(result)
+    if result.get("peers"):
+        from megatron_longctx.bench import peers
+
+        table += "\n" + peers.markdown(result["peers"])
     with open(os.path.join(args.output_dir, "bench.md"), "w") as f:
         f.write(table)
     pngs = [] if args.no_plots else report.plots(result, args.output_dir)
