@@ -82,10 +82,18 @@ class LiveTensors(TorchDispatchMode):
 
     def watch(self, model: torch.nn.Module) -> None:
         """Label forward operators by the innermost running module of ``model``."""
+        def enter(name: str) -> Any:
+            def hook(*_: Any) -> None:
+                self._modules.append(name)
+            return hook
+
+        def leave(*_: Any) -> None:  # returns None: a forward hook's return value would replace the output
+            if self._modules:
+                self._modules.pop()
+
         for name, module in model.named_modules():
-            short = name.replace("module.", "") or "(model)"
-            self._handles.append(module.register_forward_pre_hook(lambda *_, n=short: self._modules.append(n)))
-            self._handles.append(module.register_forward_hook(lambda *_: self._modules.pop() if self._modules else None))
+            self._handles.append(module.register_forward_pre_hook(enter(name.replace("module.", "") or "(model)")))
+            self._handles.append(module.register_forward_hook(leave))
 
     def unwatch(self) -> None:
         while self._handles:
