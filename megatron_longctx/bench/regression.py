@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
     p.add_argument("--max-seq-resolution", type=float, default=0.25, help="bisection stops at this relative gap")
     p.add_argument("--skip-max-seq", action="store_true")
+    p.add_argument("--time-check-rounds", type=int, default=5,
+                   help="fresh jobs per side of the time-per-token check (best plugin vs megatron-flash+recompute "
+                        "at that baseline's longest length); 0 skips it")
+    p.add_argument("--time-check-seq", type=int, default=None,
+                   help="length of the time-per-token check (default: megatron-flash+recompute's max sequence)")
+    p.add_argument("--time-check-plugin", default="ring+all",
+                   help="plugin configuration of the time check when no max-sequence search picked the best")
     p.add_argument("--peers", action="store_true",
                    help="also run the peers side by side (python -m megatron_longctx.bench.peers, its defaults) "
                         "and add them to the JSON and markdown")
@@ -249,7 +257,48 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
         roles = {c["name"]: c["role"] for c in result["configs"]}
         result["max_seq"].update(max_seq_headline(result["max_seq"]["results"], roles, REFERENCE))
         log(headline_line(result["max_seq"]))
+    check = _time_check_plan(args, result, runnable)
+    if check and args.time_check_rounds > 0:
+        result["time_check"] = time_check(args, base_task, *check, log)
     return result
+
+
+def _time_check_plan(args: argparse.Namespace, result: dict[str, Any], runnable: list[str]) -> Optional[tuple]:
+    """(plugin, baseline, length) of the time-per-token goal: the best plugin configuration against
+    megatron-flash+recompute at that baseline's longest trainable length (or ``--time-check-seq``)."""
+    ms = result.get("max_seq") or {}
+    plugin = ms.get("best_plugin") or (args.time_check_plugin if args.time_check_plugin in runnable else None)
+    seq = args.time_check_seq or (ms.get("results", {}).get(FLASH_RECOMPUTE) or {}).get("max_seq")
+    if not plugin or not seq or FLASH_RECOMPUTE not in runnable:
+        return None
+    granularity = 2 * args.nproc_per_node
+    return plugin, FLASH_RECOMPUTE, seq // granularity * granularity
+
+
+def time_check(args: argparse.Namespace, base_task: dict[str, Any], plugin: str, baseline: str, seq: int,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """CPU-seconds per token of ``plugin`` over ``baseline`` at ``seq``: a fresh job per measurement,
+    alternating (A B, B A, ...), ``--time-check-rounds`` each; medians."""
+    samples: dict[str, list[float]] = {plugin: [], baseline: []}
+    loads = []
+    for r in range(args.time_check_rounds):
+        for name in ((plugin, baseline) if r % 2 == 0 else (baseline, plugin)):
+            loads.append(_loadavg())
+            rc, output, records = run_probe_job(dict(base_task, configs=[name], seq_lengths=[seq], warmup=1, steps=1),
+                                                args.nproc_per_node, args.timeout)
+            ok = [rec for rec in records if rec.get("status") == "ok"]
+            if not ok:
+                return {"plugin": plugin, "baseline": baseline, "seq_length": seq,
+                        "status": f"failed: {name} job exit {rc}: {_tail(output)}"}
+            samples[name].append(ok[0]["cpu_us_per_token"])
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    out = {"plugin": plugin, "baseline": baseline, "seq_length": seq, "status": "ok", "rounds": args.time_check_rounds,
+           "cpu_us_per_token": samples, "median_cpu_us_per_token": med, "ratio": med[plugin] / med[baseline],
+           "target": 1.3, "loadavg": loads}
+    out["meets_target"] = out["ratio"] <= out["target"]
+    log(f"time per token at {seq} tokens: {plugin} {med[plugin]:.0f} us / {baseline} {med[baseline]:.0f} us = "
+        f"{out['ratio']:.2f}x (target <= 1.3x: {'met' if out['meets_target'] else 'not met'})")
+    return out
 
 
 def model_shape(args: argparse.Namespace) -> dict[str, Any]:

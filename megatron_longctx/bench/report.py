@@ -105,6 +105,15 @@ def markdown(result: dict[str, Any]) -> str:
         if c["status"] != "ok":
             lines.append(f"| {c['name']} | – | {c['status']} | | | | | | | | |")
     lines += _max_seq_lines(result.get("max_seq"))
+    tc = result.get("time_check")
+    if tc and tc.get("status") == "ok":
+        med = tc["median_cpu_us_per_token"]
+        lines += ["", f"**Time per token** at {tc['seq_length']} tokens (fresh job per measurement, medians of "
+                      f"{tc['rounds']} alternating rounds): {tc['plugin']} {med[tc['plugin']]:.0f} µs / {tc['baseline']} "
+                      f"{med[tc['baseline']]:.0f} µs = {tc['ratio']:.2f}× (target ≤ {tc['target']}×: "
+                      f"{'met' if tc['meets_target'] else 'not met'})"]
+    elif tc:
+        lines += ["", f"**Time per token**: {tc['status']}"]
     return "\n".join(lines) + "\n"
 
 

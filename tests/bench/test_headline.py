@@ -46,3 +46,29 @@ def test_ties_cap_and_nothing_trained():
     h = max_seq_headline({"megatron-flash": {"max_seq": 1024}, "mystery": {"max_seq": 10**6},
                           "ring+all": {"max_seq": 2048}}, ROLES, REFERENCE)
     assert h["best_plugin"] == "ring+all" and h["max_seq_ratio_vs_strongest"]["ratio"] == 2
+
+
+def test_time_check_alternates_fresh_jobs_and_takes_medians(monkeypatch):
+    from megatron_longctx.bench import regression
+
+    order = []
+    cost = {"ring+all": iter([120.0, 90.0, 100.0]), "megatron-flash+recompute": iter([100.0, 80.0, 70.0])}
+
+    def fake_job(task, nproc, timeout):
+        (name,) = task["configs"]
+        order.append(name)
+        assert task["seq_lengths"] == [4096] and task["warmup"] == 1
+        return 0, "", [{"status": "ok", "cpu_us_per_token": next(cost[name])}]
+
+    monkeypatch.setattr(regression, "run_probe_job", fake_job)
+    args = regression.build_parser().parse_args(["--time-check-rounds", "3"])
+    result = {"max_seq": {"best_plugin": "ring+all", "results": {"megatron-flash+recompute": {"max_seq": 4097}}}}
+    plan = regression._time_check_plan(args, result, ["ring+all", "megatron-flash+recompute"])
+    assert plan == ("ring+all", "megatron-flash+recompute", 4096)  # rounded to a multiple of 2 x CP
+    out = regression.time_check(args, {}, *plan, log=lambda s: None)
+    assert order == [
+        "ring+all", "megatron-flash+recompute", "megatron-flash+recompute", "ring+all", "ring+all",
+        "megatron-flash+recompute"]
+    assert out["median_cpu_us_per_token"] == {"ring+all": 100.0, "megatron-flash+recompute": 80.0}
+    assert out["ratio"] == pytest.approx(1.25) and out["meets_target"] is True
+    assert regression._time_check_plan(args, {}, ["ring+all"]) is None  # nothing to compare against
