@@ -76,6 +76,8 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
             over_budget_exit(torch.cuda.max_memory_allocated(), budget)
         raise
     finally:
+        if live is not None:
+            live.unwatch()
         trainer.close()
         del trainer
         gc.collect()
