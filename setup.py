@@ -21,6 +21,8 @@ setup(
     extras_require={
         "test": ["pytest>=8"],
         "bench": ["matplotlib", "tqdm"],
+        # the peers python -m megatron_longctx.bench.peers sets side by side (never needed by the plugin)
+        "peers": ["deepspeed"],
         # CUDA-only; NVIDIA apex comes with the NGC container (PyPI's "apex" is an unrelated package).
         "gpu": ["transformer-engine[pytorch]", "flash-attn", "nvidia-modelopt"],
     },

@@ -1,10 +1,21 @@
 """The configurations the regression benchmark puts side by side, and whether each can run here.
 
-Baseline Megatron is the local layer spec at CP=1 (its local attention refuses CP>1 without Transformer
-Engine), with and without Megatron's own full recompute.  The plugin runs at CP = world size with each
-CP algorithm, then with the memory features (checkpoint offload, tiled MLP / loss) on top of ring.
-A configuration whose feature is missing or refuses this layout is reported as
-``unavailable: <reason>`` instead of failing the benchmark.
+Baselines are what a Megatron user runs without this plugin, at the same ranks and per-rank budget:
+
+- ``megatron-unfused``: Megatron's local spec at CP=1 (its ``DotProductAttention`` materialises the
+  ``s x s`` scores, and refuses CP>1 without Transformer Engine); the reference row for parity;
+- ``megatron-flash``: CP=1 with a flash-class kernel (the plugin's, through Megatron's ``core_attention``,
+  every plugin memory feature off), what TE's flash attention gives on a GPU;
+- ``megatron-flash+recompute``: the same with Megatron's best memory setting that runs here, full
+  recompute, uniform, 1 layer (selective ``core_attn`` saves nothing once attention is flash-class,
+  selective ``mlp``/``layernorm`` fail in Megatron without TE, see MEGATRON_NOTES);
+- ``megatron-flash+cp`` and ``megatron-flash+cp+recompute``: CP at the plugin's CP size with the
+  plugin's ring standing in for TE's, without and with Megatron's full recompute (what a Megatron+TE CP
+  user has before this plugin's memory features).
+
+The plugin runs at CP = world size with each CP algorithm, then with its memory features (checkpoint
+offload, tiled MLP / loss) on top of ring.  A configuration whose feature is missing or refuses this
+layout is reported as ``unavailable: <reason>`` instead of failing the benchmark.
 """
 
 from __future__ import annotations
@@ -14,11 +25,33 @@ from typing import Any, Optional
 
 from megatron_longctx.megatron.training import Variant
 
-BASELINE = "baseline"
+REFERENCE = "megatron-unfused"  # the parity reference row (Megatron's own local spec)
+FLASH_RECOMPUTE = "megatron-flash+recompute"  # the time-per-token reference of the goal
 
-# Memory features, as --longctx-* field values (MemoryConfig).
+# Memory features, as --longctx-* field values (MemoryConfig).  The offloaded layer inputs leave the
+# device: for host memory on a GPU; on a CPU-only process host memory *is* the device memory, so the
+# stand-in is the disk (offload_target=disk), which is what lowers resident memory there.
 OFFLOAD = (("recompute_granularity", "full"), ("offload_policy", "checkpoint"))
 TILED = (("tiled_mlp_tiles", 4), ("tiled_loss_tiles", 4))
+# Tiles sized per sequence (as ALST does): at most this many tokens per rank in one tile, at least 4 tiles.
+MLP_TILE_TOKENS = 1024
+LOSS_TILE_TOKENS = 512
+
+
+def offload_options() -> tuple:
+    import torch
+
+    return OFFLOAD + (("offload_target", "host" if torch.cuda.is_available() else "disk"),)
+
+
+def tiles_for(variant: Variant, tokens_per_rank: int) -> Variant:
+    """``variant`` with its tiled MLP / loss tile counts sized for ``tokens_per_rank`` (unchanged if untiled)."""
+    options = variant.options()
+    sized = {"tiled_mlp_tiles": MLP_TILE_TOKENS, "tiled_loss_tiles": LOSS_TILE_TOKENS}
+    for key, tile in sized.items():
+        if options.get(key):
+            options[key] = max(4, -(-tokens_per_rank // tile))
+    return dataclasses.replace(variant, longctx_options=tuple(options.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +62,32 @@ class BenchConfig:
     description: str
     variant: Variant
     min_cp: int = 1  # the smallest CP size the algorithm needs
+    baseline: bool = False  # what Megatron gives without this plugin's algorithms and memory features
 
     def as_dict(self) -> dict[str, Any]:
         v = dataclasses.asdict(self.variant)
         v["longctx_options"] = dict(self.variant.longctx_options)
-        return {"name": self.name, "description": self.description, "variant": v}
+        return {"name": self.name, "description": self.description, "variant": v,
+                "role": "baseline" if self.baseline else "plugin"}
+
+
+def baseline_configs(cp: int) -> list[BenchConfig]:
+    """Megatron without this plugin's contributions, at ``cp`` ranks (see the module docstring)."""
+    flash = (("cp_algorithm", "ring"),)  # at CP=1 ring is one local flash-class kernel call
+
+    def mk(name: str, desc: str, **kw: Any) -> BenchConfig:
+        return BenchConfig(name, desc, Variant(name=name, **kw), baseline=True)
+
+    return [
+        mk(REFERENCE, "Megatron local spec (unfused attention), CP=1"),
+        mk("megatron-flash", "Megatron, flash-class attention, CP=1", plugin=True, longctx_options=flash),
+        mk(FLASH_RECOMPUTE, "Megatron, flash-class attention, CP=1, full recompute (uniform, 1 layer)",
+           plugin=True, longctx_options=flash, megatron_recompute=True),
+        mk("megatron-flash+cp", f"Megatron, flash-class attention, CP={cp} ring", plugin=True,
+           longctx_options=flash, context_parallel_size=cp),
+        mk("megatron-flash+cp+recompute", f"Megatron, flash-class attention, CP={cp} ring, full recompute",
+           plugin=True, longctx_options=flash, context_parallel_size=cp, megatron_recompute=True),
+    ]
 
 
 def default_configs(cp: int) -> list[BenchConfig]:
@@ -47,19 +101,33 @@ def default_configs(cp: int) -> list[BenchConfig]:
                            Variant(name=name, context_parallel_size=cp, plugin=True, longctx_options=options),
                            min_cp=min_cp)
 
-    return [
-        BenchConfig(BASELINE, "Megatron local spec, CP=1", Variant(name=BASELINE)),
-        BenchConfig("baseline+recompute", "Megatron local spec, CP=1, Megatron full recompute",
-                    Variant(name="baseline+recompute", megatron_recompute=True)),
-        plugin("ring", "ring"),
+    return baseline_configs(cp) + [
         plugin("allgather", "allgather"),
         plugin("ulysses", "ulysses"),
         plugin("hybrid", "hybrid", min_cp=4, desc=f"plugin, CP={cp}, Ulysses(2) x ring"),
-        plugin("ring+offload", "ring", OFFLOAD, f"plugin, CP={cp}, ring, full recompute + checkpoint offload"),
-        plugin("ring+tiled", "ring", TILED, f"plugin, CP={cp}, ring, tiled MLP + tiled loss (4 tiles)"),
-        plugin("ring+all", "ring", OFFLOAD + TILED,
+        plugin("ring+offload", "ring", offload_options(),
+               f"plugin, CP={cp}, ring, full recompute + checkpoint offload"),
+        plugin("ring+tiled", "ring", TILED, f"plugin, CP={cp}, ring, tiled MLP + tiled loss "
+               f"(<= {MLP_TILE_TOKENS} / {LOSS_TILE_TOKENS} tokens per tile, >= 4 tiles)"),
+        plugin("ring+all", "ring", offload_options() + TILED,
                f"plugin, CP={cp}, ring, recompute + checkpoint offload + tiled MLP/loss"),
     ]
+
+
+def unfused_scores_bytes(shape: dict[str, Any], seq_length: int) -> int:
+    """Bytes per rank the unfused attention keeps for backward: scores and probabilities, float32, every layer."""
+    return 8 * shape["num_layers"] * shape["num_attention_heads"] * seq_length ** 2
+
+
+def sweep_skip_reason(config: BenchConfig, shape: dict[str, Any], seq_length: int, limit_bytes: int) -> Optional[str]:
+    """Why the sweep leaves out ``config`` at ``seq_length`` (the unfused scores would not fit a shared machine)."""
+    if config.variant.plugin:
+        return None
+    need = unfused_scores_bytes(shape, seq_length)
+    if need <= limit_bytes:
+        return None
+    return (f"skipped: unfused attention keeps ~{need / 2**30:.1f} GiB/rank of scores at this length "
+            f"(over --sweep-mem-limit-mib {limit_bytes / 2**20:.0f})")
 
 
 def unavailable_reason(config: BenchConfig, cp: int, num_query_groups: int) -> Optional[str]:
@@ -90,12 +158,12 @@ def unavailable_reason(config: BenchConfig, cp: int, num_query_groups: int) -> O
 
 
 def select(configs: list[BenchConfig], names: Optional[list[str]]) -> list[BenchConfig]:
-    """The configurations named in ``names`` (all when ``None``); the baseline is always included first."""
+    """The configurations named in ``names`` (all when ``None``); the reference row is always included first."""
     if not names:
         return configs
     known = {c.name: c for c in configs}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"--configs: unknown configuration(s) {unknown}; choose from {', '.join(known)}")
-    chosen = [BASELINE] + [n for n in names if n != BASELINE]
+    chosen = [REFERENCE] + [n for n in names if n != REFERENCE]
     return [known[n] for n in chosen]

@@ -12,6 +12,7 @@ resident memory added since the point began passes it; on GPU the caching alloca
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -23,17 +24,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_longctx import cpu_compat
-from megatron_longctx.bench.configs import default_configs
+from megatron_longctx.bench.configs import default_configs, tiles_for
 from megatron_longctx.megatron import data as data_mod
-from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, ModelShape, OptimConfig, Trainer, device, median,
+from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
                                                 over_budget_exit, preimport_megatron, rss_bytes, run_steps)
 
 
-def model_flops_per_step(shape: ModelShape, tokens: int) -> float:
+def model_flops_per_step(shape: GPTShape, tokens: int) -> float:
     """Model FLOPs of one training step (forward + backward, causal attention, no recompute counted)."""
     h, f, layers, s = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers, shape.seq_length
     kv = h // shape.num_attention_heads * shape.num_query_groups
-    dense = layers * (h * (h + 2 * kv) + h * h + 2 * h * f) + h * shape.vocab_size  # weights used per token
+    fc1 = 2 * f if shape.swiglu else f  # SwiGLU's fc1 holds the gate and the up projection
+    dense = layers * (h * (h + 2 * kv) + h * h + h * fc1 + f * h) + h * shape.vocab_size  # weights used per token
     attention = layers * s * h  # causal QK^T and PV: 2·s·h multiply-adds per token, halved by the mask
     return 6.0 * tokens * (dense + attention)
 
@@ -46,8 +48,8 @@ def _cap_gpu_memory(budget_bytes: int) -> None:
 def measure_point(task: dict[str, Any], config_name: str, seq_length: int, dataset_prefix: str) -> dict[str, Any]:
     """Train one point; the record the benchmark reports for it."""
     configs = {c.name: c for c in default_configs(task["cp"])}
-    variant = configs[config_name].variant
-    shape = ModelShape(**{**task["shape"], "seq_length": seq_length})
+    variant = tiles_for(configs[config_name].variant, seq_length // configs[config_name].variant.context_parallel_size)
+    shape = GPTShape(**{**task["shape"], "seq_length": seq_length})
     gbs = task["global_batch_size"] or dist.get_world_size() // variant.context_parallel_size
     steps = task["warmup"] + task["steps"]
     tokenizer = data_mod.ByteTokenizer()
@@ -59,15 +61,23 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
         torch.cuda.empty_cache()
         _cap_gpu_memory(budget)
     trainer = Trainer(shape, variant, OptimConfig(lr=task["lr"]), gbs, task["seed"])
+    live = None
+    if task.get("trace_live"):  # what the step's peak is made of (bench.live_memory)
+        from megatron_longctx.bench.live_memory import LiveTensors
+
+        live = LiveTensors()
+        live.watch(trainer.model)
     try:
-        results = run_steps(trainer, lambda step: data_mod.global_batch(dataset, step, gbs), 0, steps,
-                            budget_bytes=None if torch.cuda.is_available() else budget, base_bytes=base)
+        with live if live is not None else contextlib.nullcontext():
+            results = run_steps(trainer, lambda step: data_mod.global_batch(dataset, step, gbs), 0, steps,
+                                budget_bytes=None if torch.cuda.is_available() else budget, base_bytes=base)
     except torch.cuda.OutOfMemoryError:
         if budget:  # the capped allocator refused: this probe does not fit the budget
             over_budget_exit(torch.cuda.max_memory_allocated(), budget)
         raise
     finally:
-        fallbacks = dict(trainer.fallbacks)
+        if live is not None:
+            live.unwatch()
         trainer.close()
         del trainer
         gc.collect()
@@ -76,15 +86,19 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
     dist.all_reduce(peaks)
     timed = results[task["warmup"]:] or results
     step_time = median([r.step_time_s for r in timed])
+    cpu = torch.tensor([median([r.cpu_time_s for r in timed])], dtype=torch.float64, device=device())
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)  # the slowest rank's process CPU-seconds per step
     tokens = timed[0].tokens
     flops = model_flops_per_step(shape, tokens)
+    traced = {} if live is None else {"live_peak_bytes": live.peak, "live_peak_by_label": live.peak_by_label}
     return {
+        **traced,
         "config": config_name, "seq_length": seq_length, "status": "ok", "global_batch_size": gbs,
         "step_times_s": [r.step_time_s for r in timed], "step_time_s": step_time,
+        "cpu_s_per_step": float(cpu.item()), "cpu_us_per_token": float(cpu.item()) / tokens * 1e6,
         "tokens_per_s": tokens / step_time, "model_tflops": flops / step_time / 1e12 / dist.get_world_size(),
         "peak_mem_bytes_per_rank": [int(p) for p in peaks], "peak_mem_bytes": int(peaks.max()),
         "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-        "fallbacks": fallbacks,
     }
 
 
@@ -104,8 +118,11 @@ def run_task(task: dict[str, Any]) -> list[dict[str, Any]]:
         run_in_job(task["search"], lambda seq: _safe_point(task, task["configs"][0], seq, prefix),
                    task["progress"], dist.get_rank() == 0)
         return records
+    skip = {(name, seq) for name, seq in task.get("skip", [])}
     for config_name in task["configs"]:
         for seq_length in sorted(task["seq_lengths"]):
+            if (config_name, seq_length) in skip:
+                continue
             records.append(_safe_point(task, config_name, seq_length, prefix))
             if dist.get_rank() == 0:
                 _write(task["out"], records)

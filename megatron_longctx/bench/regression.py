@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,12 +29,28 @@ from typing import Any, Callable, Optional
 
 from megatron_longctx.bench import compare as compare_mod
 from megatron_longctx.bench import report
-from megatron_longctx.bench.configs import BASELINE, default_configs, select, unavailable_reason
+from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, baseline_configs, default_configs, select,
+                                            sweep_skip_reason, unavailable_reason)
+from megatron_longctx.bench.headline import headline_line, max_seq_headline
 from megatron_longctx.bench.maxseq import drive, search_max_seq
 
 ENFORCEMENT_CPU = "enforced: a probe dies when a rank's resident memory grows past the budget"
 ENFORCEMENT_GPU = "enforced: torch.cuda.set_per_process_memory_fraction; OOM = failure"
 BUDGET_MARKER = "[memory budget]"
+
+# Model shapes.  llama: Llama proportions at small width (ffn = 3.5·h, vocabulary = 32·h as Llama-3's
+# 128K at h = 4096).  The tokens are the project's ByteTokenizer (UTF-8 bytes of the Python standard
+# library's sources, offline; ids < 258), the output layer has the preset's 8,192 rows, as Megatron's
+# NullTokenizer with --vocab-size 8192 would give over the same bytes.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
+              "ffn_hidden_size": 896, "vocab_size": 8192, "swiglu": True, "normalization": "RMSNorm",
+              "add_bias_linear": False, "budget_mib": 160.0},
+    "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 256, "vocab_size": None, "swiglu": False, "normalization": "LayerNorm",
+             "add_bias_linear": True, "budget_mib": 64.0},
+}
+MAX_SEQ_DEFAULT = [c.name for c in baseline_configs(2)] + ["ring+all"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,20 +62,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=None, help="comma-separated configuration names (default: all)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per point (the median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per point")
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--num-query-groups", type=int, default=2)
-    p.add_argument("--ffn-hidden-size", type=int, default=256)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama",
+                   help="model shape: llama (hidden 256, 4 layers, 8 heads / 2 KV groups, SwiGLU ffn 896, RMSNorm, "
+                        "RoPE, untied output layer, vocabulary 8192) or tiny (the fast 2-layer hidden-64 GELU model)")
+    for flag in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
+                 "vocab-size"):
+        p.add_argument(f"--{flag}", type=int, default=None, help="override the preset's value")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank memory budget of the max-sequence search (default: 64 on CPU, 80%% of the GPU)")
-    p.add_argument("--max-seq-configs", default="baseline,ring+all", help="configurations searched for max sequence")
+    p.add_argument("--max-seq-configs", default=",".join(MAX_SEQ_DEFAULT),
+                   help="configurations searched for max sequence (the headline is the best plugin one over the "
+                        "strongest baseline one)")
     p.add_argument("--max-seq-start", type=int, default=512, help="first probe length of the search")
     p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
     p.add_argument("--max-seq-resolution", type=float, default=0.25, help="bisection stops at this relative gap")
     p.add_argument("--skip-max-seq", action="store_true")
+    p.add_argument("--time-check-rounds", type=int, default=5,
+                   help="fresh jobs per side of the time-per-token check (best plugin vs megatron-flash+recompute "
+                        "at that baseline's longest length); 0 skips it")
+    p.add_argument("--time-check-seq", type=int, default=None,
+                   help="length of the time-per-token check (default: megatron-flash+recompute's max sequence)")
+    p.add_argument("--time-check-plugin", default="ring+all",
+                   help="plugin configuration of the time check when no max-sequence search picked the best")
+    p.add_argument("--peers", action="store_true",
+                   help="also run the peers side by side (python -m megatron_longctx.bench.peers, its defaults) "
+                        "and add them to the JSON and markdown")
+    p.add_argument("--sweep-mem-limit-mib", type=float, default=2048,
+                   help="the sweep skips megatron-unfused where its s x s scores alone would pass this per rank")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--compare", default=None, metavar="PREVIOUS_JSON", help="fail on regressions against this run")
     p.add_argument("--tolerance", default="5%", help="allowed slowdown / memory growth for --compare")
@@ -133,14 +165,7 @@ def _max_seq(args: argparse.Namespace, base_task: dict[str, Any], configs: list[
         log(f"    max {results[name]['max_seq']} tokens{' (cap)' if results[name]['at_cap'] else ''}; "
             f"probes {probes} ({time.perf_counter() - start:.0f} s)")
     out: dict[str, Any] = {"budget_bytes": budget, "granularity": granularity, "cap": args.max_seq_cap,
-                           "enforcement": ENFORCEMENT_GPU if _gpu() else ENFORCEMENT_CPU, "results": results,
-                           "target": 16}
-    base = results.get(BASELINE, {}).get("max_seq")
-    others = {k: v for k, v in results.items() if k != BASELINE}
-    if base and others:
-        best = max(others, key=lambda k: others[k]["max_seq"])
-        out.update(best=best, ratio=others[best]["max_seq"] / base, ratio_is_lower_bound=others[best]["at_cap"])
-        out["meets_target"] = out["ratio"] >= out["target"]
+                           "enforcement": ENFORCEMENT_GPU if _gpu() else ENFORCEMENT_CPU, "results": results}
     return out
 
 
@@ -161,10 +186,19 @@ def _meta(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - metadata is informational
         mcore = "unknown"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
-    return {"device": device, "world_size": args.nproc_per_node, "shape": shape, "steps": args.steps,
+    return {"device": device, "world_size": args.nproc_per_node, "shape": shape, "preset": args.preset,
+            "time_reference": FLASH_RECOMPUTE, "loadavg": _loadavg(), "steps": args.steps,
             "warmup": args.warmup, "torch": torch.__version__, "megatron_core": mcore,
             "python": sys.version.split()[0],
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _loadavg() -> str:
+    """The 1/5/15-minute load average, recorded next to every number (the machine may be shared)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def _log(text: str) -> None:
@@ -173,8 +207,6 @@ def _log(text: str) -> None:
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str, Any]:
     """The whole benchmark; returns the result dict (also written to ``--output-dir``)."""
-    from megatron_longctx.megatron.data import ByteTokenizer, padded_vocab_size
-
     seqs = sorted({int(s) for s in str(args.seq_lengths).split(",") if s.strip()})
     if not seqs:
         raise ValueError("--seq-lengths: give at least one length, e.g. 1024,2048")
@@ -184,15 +216,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
         raise ValueError(f"--seq-lengths {bad} are not multiples of 2 x CP ({2 * cp}); Megatron's CP split needs that")
     names = [n.strip() for n in args.configs.split(",")] if args.configs else None
     configs = select(default_configs(cp), names)
-    shape = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-             "num_attention_heads": args.num_attention_heads, "num_query_groups": args.num_query_groups,
-             "ffn_hidden_size": args.ffn_hidden_size, "vocab_size": padded_vocab_size(ByteTokenizer()),
-             "dropout": 0.0}
+    shape = model_shape(args)
     os.makedirs(args.output_dir, exist_ok=True)
     result: dict[str, Any] = {"schema": report.SCHEMA, "meta": _meta(args, shape), "configs": [], "sweep": []}
     runnable = []
     for c in configs:
-        reason = unavailable_reason(c, cp, args.num_query_groups)
+        reason = unavailable_reason(c, cp, shape["num_query_groups"])
         result["configs"].append({**c.as_dict(), "status": "ok" if reason is None else f"unavailable: {reason}"})
         if reason is None:
             runnable.append(c.name)
@@ -203,7 +232,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
                  "data_dir": os.path.join(args.output_dir, "data")}
     start = time.perf_counter()
     log(f"sweep: {len(runnable)} configurations x {len(seqs)} lengths on {cp} ranks ...")
-    rc, output, records = run_probe_job(dict(base_task, configs=runnable, seq_lengths=seqs), cp, args.timeout)
+    by_name = {c.name: c for c in configs}
+    skipped = [{"config": n, "seq_length": s, "status": why} for n in runnable for s in seqs
+               if (why := sweep_skip_reason(by_name[n], shape, s, int(args.sweep_mem_limit_mib * 2**20)))]
+    skip = [[r["config"], r["seq_length"]] for r in skipped]
+    rc, output, records = run_probe_job(dict(base_task, configs=runnable, seq_lengths=seqs, skip=skip), cp,
+                                        args.timeout)
+    records += skipped
     measured = {(r["config"], r["seq_length"]) for r in records}
     for name in runnable:
         for seq in seqs:
@@ -211,23 +246,81 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
                 records.append({"config": name, "seq_length": seq,
                                 "status": f"failed: sweep job exit {rc}: {_tail(output)}"})
     result["sweep"] = records
-    report.annotate(result["sweep"], BASELINE)
+    report.annotate(result["sweep"], [REFERENCE, "megatron-flash"], FLASH_RECOMPUTE)
     log(f"sweep done in {time.perf_counter() - start:.0f} s")
     if not args.skip_max_seq:
         wanted = [n.strip() for n in args.max_seq_configs.split(",") if n.strip()]
         searched = [n for n in wanted if n in runnable]
-        budget = int((args.budget_mib or _default_budget_mib()) * 2**20)
+        budget = int((args.budget_mib or _default_budget_mib(args.preset)) * 2**20)
         log(f"max trainable sequence under {budget / 2**20:.0f} MiB/rank: {', '.join(searched)}")
         result["max_seq"] = _max_seq(args, base_task, searched, budget, log)
+        roles = {c["name"]: c["role"] for c in result["configs"]}
+        result["max_seq"].update(max_seq_headline(result["max_seq"]["results"], roles, REFERENCE))
+        log(headline_line(result["max_seq"]))
+    check = _time_check_plan(args, result, runnable)
+    if check and args.time_check_rounds > 0:
+        result["time_check"] = time_check(args, base_task, *check, log)
     return result
 
 
-def _default_budget_mib() -> float:
+def _time_check_plan(args: argparse.Namespace, result: dict[str, Any], runnable: list[str]) -> Optional[tuple]:
+    """(plugin, baseline, length) of the time-per-token goal: the best plugin configuration against
+    megatron-flash+recompute at that baseline's longest trainable length (or ``--time-check-seq``)."""
+    ms = result.get("max_seq") or {}
+    plugin = ms.get("best_plugin") or (args.time_check_plugin if args.time_check_plugin in runnable else None)
+    seq = args.time_check_seq or (ms.get("results", {}).get(FLASH_RECOMPUTE) or {}).get("max_seq")
+    if not plugin or not seq or FLASH_RECOMPUTE not in runnable:
+        return None
+    granularity = 2 * args.nproc_per_node
+    return plugin, FLASH_RECOMPUTE, seq // granularity * granularity
+
+
+def time_check(args: argparse.Namespace, base_task: dict[str, Any], plugin: str, baseline: str, seq: int,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """CPU-seconds per token of ``plugin`` over ``baseline`` at ``seq``: a fresh job per measurement,
+    alternating (A B, B A, ...), ``--time-check-rounds`` each; medians."""
+    samples: dict[str, list[float]] = {plugin: [], baseline: []}
+    loads = []
+    for r in range(args.time_check_rounds):
+        for name in ((plugin, baseline) if r % 2 == 0 else (baseline, plugin)):
+            loads.append(_loadavg())
+            rc, output, records = run_probe_job(dict(base_task, configs=[name], seq_lengths=[seq], warmup=1, steps=1),
+                                                args.nproc_per_node, args.timeout)
+            ok = [rec for rec in records if rec.get("status") == "ok"]
+            if not ok:
+                return {"plugin": plugin, "baseline": baseline, "seq_length": seq,
+                        "status": f"failed: {name} job exit {rc}: {_tail(output)}"}
+            samples[name].append(ok[0]["cpu_us_per_token"])
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    out = {"plugin": plugin, "baseline": baseline, "seq_length": seq, "status": "ok", "rounds": args.time_check_rounds,
+           "cpu_us_per_token": samples, "median_cpu_us_per_token": med, "ratio": med[plugin] / med[baseline],
+           "target": 1.3, "loadavg": loads}
+    out["meets_target"] = out["ratio"] <= out["target"]
+    log(f"time per token at {seq} tokens: {plugin} {med[plugin]:.0f} us / {baseline} {med[baseline]:.0f} us = "
+        f"{out['ratio']:.2f}x (target <= 1.3x: {'met' if out['meets_target'] else 'not met'})")
+    return out
+
+
+def model_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset's shape with the command line's overrides (``--hidden-size`` ...)."""
+    from megatron_longctx.megatron.data import ByteTokenizer, padded_vocab_size
+
+    shape = {k: v for k, v in PRESETS[args.preset].items() if k != "budget_mib"}
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "vocab_size"):
+        if getattr(args, key, None) is not None:
+            shape[key] = getattr(args, key)
+    shape["vocab_size"] = max(shape["vocab_size"] or 0, padded_vocab_size(ByteTokenizer()))
+    shape["dropout"] = 0.0
+    return shape
+
+
+def _default_budget_mib(preset: str) -> float:
     import torch
 
     if torch.cuda.is_available():
         return 0.8 * torch.cuda.get_device_properties(0).total_memory / 2**20
-    return 64.0
+    return PRESETS[preset]["budget_mib"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -240,6 +333,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if previous.get("schema") != report.SCHEMA:
             raise ValueError(f"--compare {args.compare}: schema {previous.get('schema')!r}, expected {report.SCHEMA!r}")
     result = run(args)
+    if args.peers:
+        from megatron_longctx.bench import peers
+
+        result["peers"] = peers.run(peers.build_parser().parse_args([]))
     findings = compare_mod.compare(result, previous, tolerance) if previous is not None else []
     if previous is not None:
         result["regressions"] = [f.as_dict() for f in findings]
@@ -247,6 +344,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     json_path = os.path.join(args.output_dir, "bench.json")
     report.write_json(result, json_path)
     table = report.markdown(result)
+    if result.get("peers"):
+        from megatron_longctx.bench import peers
+
+        table += "\n" + peers.markdown(result["peers"])
     with open(os.path.join(args.output_dir, "bench.md"), "w") as f:
         f.write(table)
     pngs = [] if args.no_plots else report.plots(result, args.output_dir)

@@ -16,9 +16,28 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def annotate(sweep: list[dict[str, Any]], baseline: str) -> None:
-    """Add ratios to, and loss / grad-norm parity with, the baseline at the same sequence length (in place)."""
-    base = {p["seq_length"]: p for p in sweep if p["config"] == baseline and p.get("status") == "ok"}
+def step_cost(point: dict[str, Any]) -> float:
+    """The time a point is compared by: the slowest rank's CPU-seconds per step (wall time in older files)."""
+    return point.get("cpu_s_per_step") or point["step_time_s"]
+
+
+def annotate(sweep: list[dict[str, Any]], baseline: str | list[str], time_reference: Optional[str] = None) -> None:
+    """Add ratios to, and loss / grad-norm parity with, the baseline at the same sequence length (in place).
+
+    ``baseline``: a name, or names in order of preference (the first measured at a length is that
+    length's reference, named in ``parity_reference``).  ``time_reference`` (optional): also
+    ``time_ratio_vs_<name>`` against that configuration.
+    """
+    names = [baseline] if isinstance(baseline, str) else list(baseline)
+    base: dict[int, dict[str, Any]] = {}
+    for name in reversed(names):
+        base.update({p["seq_length"]: p for p in sweep if p["config"] == name and p.get("status") == "ok"})
+    if time_reference:
+        tref = {p["seq_length"]: p for p in sweep if p["config"] == time_reference and p.get("status") == "ok"}
+        for point in sweep:
+            ref = tref.get(point["seq_length"])
+            ok = point.get("status") == "ok" and ref is not None
+            point[f"time_ratio_vs_{time_reference}"] = step_cost(point) / step_cost(ref) if ok else None
     for point in sweep:
         ref = base.get(point["seq_length"])
         if point.get("status") != "ok" or ref is None:
@@ -26,7 +45,8 @@ def annotate(sweep: list[dict[str, Any]], baseline: str) -> None:
                         "grad_norm_max_rel_diff", "parity_ok"):
                 point.setdefault(key, None)
             continue
-        point["time_ratio_vs_baseline"] = point["step_time_s"] / ref["step_time_s"]
+        point["parity_reference"] = ref["config"]
+        point["time_ratio_vs_baseline"] = step_cost(point) / step_cost(ref)
         point["mem_ratio_vs_baseline"] = point["peak_mem_bytes"] / max(1, ref["peak_mem_bytes"])
         n = min(len(point["losses"]), len(ref["losses"]))
         point["loss_max_rel_diff"] = max(_rel(a, b) for a, b in zip(point["losses"][:n], ref["losses"][:n]))
@@ -55,39 +75,61 @@ def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     """The sweep as a markdown table (one row per configuration and sequence length) + max-seq lines."""
-    meta = result["meta"]
+    meta, shape = result["meta"], result["meta"]["shape"]
+    tref = meta.get("time_reference")
+    ratio_key = f"time_ratio_vs_{tref}" if tref else None
     lines = [f"### megatron-longctx regression benchmark ({meta['device']}, {meta['world_size']} ranks)", "",
-             f"Model: {meta['shape']['num_layers']} layers, hidden {meta['shape']['hidden_size']}, "
-             f"{meta['shape']['num_attention_heads']} heads ({meta['shape']['num_query_groups']} KV groups); "
-             f"median of {meta['steps']} timed steps after {meta['warmup']} warm-up; ratios are against the "
-             "baseline measured in the same run.", "",
-             "| config | seq | step s (median) | × baseline time | tokens/s | TFLOPS | peak MiB/rank | × baseline mem "
-             "| loss Δrel | grad-norm Δrel | parity |",
+             f"Model ({meta.get('preset', 'custom')}): {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
+             f"{shape['num_attention_heads']} heads ({shape['num_query_groups']} KV groups), ffn "
+             f"{shape['ffn_hidden_size']}{' SwiGLU' if shape.get('swiglu') else ''}, "
+             f"{shape.get('normalization', 'LayerNorm')}, vocabulary {shape['vocab_size']}; median of "
+             f"{meta['steps']} timed steps after {meta['warmup']} warm-up; time = the slowest rank's CPU-seconds "
+             f"per step; ratios against rows of the same run (load average {meta.get('loadavg', '?')}); ref = "
+             "megatron-unfused, or megatron-flash where the unfused scores would not fit.", "",
+             "| config | seq | CPU s/step | µs/token | × ref time | × flash+recompute time | peak MiB/rank "
+             "| × ref mem | loss Δrel | grad-norm Δrel | parity |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in sorted(result["sweep"], key=lambda p: (p["seq_length"], _order(result, p["config"]))):
         if p.get("status") != "ok":
             lines.append(f"| {p['config']} | {p['seq_length']} | {p['status']} | | | | | | | | |")
             continue
         parity = {True: "ok", False: "BROKEN", None: "–"}[p.get("parity_ok")]
+        per_token = p.get("cpu_us_per_token")
         lines.append(
-            f"| {p['config']} | {p['seq_length']} | {p['step_time_s']:.3f} | {_fmt(p.get('time_ratio_vs_baseline'), '.2f')} "
-            f"| {p['tokens_per_s']:.0f} | {p['model_tflops']:.4f} | {p['peak_mem_bytes'] / 2**20:.1f} "
+            f"| {p['config']} | {p['seq_length']} | {step_cost(p):.3f} | {_fmt(per_token, '.1f')} "
+            f"| {_fmt(p.get('time_ratio_vs_baseline'), '.2f')} | {_fmt(p.get(ratio_key) if ratio_key else None, '.2f')} "
+            f"| {p['peak_mem_bytes'] / 2**20:.1f} "
             f"| {_fmt(p.get('mem_ratio_vs_baseline'), '.2f')} | {_fmt(p.get('loss_max_rel_diff'), '.1e')} "
             f"| {_fmt(p.get('grad_norm_max_rel_diff'), '.1e')} | {parity} |")
     for c in result["configs"]:
         if c["status"] != "ok":
             lines.append(f"| {c['name']} | – | {c['status']} | | | | | | | | |")
-    ms = result.get("max_seq")
-    if ms:
-        lines += ["", f"**Max trainable sequence** under {ms['budget_bytes'] / 2**20:.0f} MiB per rank "
-                      f"({ms['enforcement']}):", ""]
-        for name, r in ms["results"].items():
-            bound = "≥ " if r.get("at_cap") else ""
-            lines.append(f"- {name}: {bound}{r['max_seq']} tokens ({len(r['probes'])} probes)")
-        if ms.get("ratio") is not None:
-            lines.append(f"- ratio {ms['best']} / baseline: {'≥ ' if ms.get('ratio_is_lower_bound') else ''}"
-                         f"{ms['ratio']:.1f}× (target ≥ {ms['target']}×: {'met' if ms['meets_target'] else 'not met'})")
+    lines += _max_seq_lines(result.get("max_seq"))
+    tc = result.get("time_check")
+    if tc and tc.get("status") == "ok":
+        med = tc["median_cpu_us_per_token"]
+        lines += ["", f"**Time per token** at {tc['seq_length']} tokens (fresh job per measurement, medians of "
+                      f"{tc['rounds']} alternating rounds): {tc['plugin']} {med[tc['plugin']]:.0f} µs / {tc['baseline']} "
+                      f"{med[tc['baseline']]:.0f} µs = {tc['ratio']:.2f}× (target ≤ {tc['target']}×: "
+                      f"{'met' if tc['meets_target'] else 'not met'})"]
+    elif tc:
+        lines += ["", f"**Time per token**: {tc['status']}"]
     return "\n".join(lines) + "\n"
+
+
+def _max_seq_lines(ms: Optional[dict[str, Any]]) -> list[str]:
+    if not ms:
+        return []
+    from megatron_longctx.bench.headline import headline_line
+
+    lines = ["", f"**Max trainable sequence** under {ms['budget_bytes'] / 2**20:.0f} MiB per rank "
+                 f"({ms['enforcement']}):", ""]
+    for name, r in ms["results"].items():
+        bound = "≥ " if r.get("at_cap") else ""
+        lines.append(f"- {name}: {bound}{r['max_seq']} tokens ({len(r['probes'])} probes)")
+    if "max_seq_ratio_vs_strongest" in ms:
+        lines += ["", f"**{headline_line(ms)}**"]
+    return lines
 
 
 def _order(result: dict[str, Any], name: str) -> int:

@@ -8,11 +8,9 @@ benchmark drive Megatron-Core directly: ``parallel_state`` for the groups, ``GPT
 ``dist_checkpointing`` (``torch_dist``).  On a CPU-only process everything runs under
 :func:`megatron_longctx.cpu_compat.enabled`.
 
-Should one of those Megatron paths still fail on a CPU-only process (a Megatron version that allocates
-on ``"cuda"`` somewhere cpu_compat does not know), the engine says so in :attr:`Trainer.fallbacks` and
-uses a plain equivalent: ``torch.optim.AdamW`` on DDP's ``main_grad``, a manual grad all-reduce, or one
-``torch.save`` file per rank.  The run's summary lists every fallback taken; with the pinned versions
-there are none.
+There is no substitute path: should Megatron's DDP grad sync, optimizer or ``dist_checkpointing`` fail
+(say a Megatron version that allocates on ``"cuda"`` somewhere cpu_compat does not know), the step
+raises that error, so a run never measures a plain equivalent under Megatron's name.
 
 Loss convention (Megatron's legacy 2-tuple ``loss_func``): each rank returns its masked token-loss sum
 divided by the token count of the *whole* micro-batch sequence; Megatron's schedule multiplies by the
@@ -34,12 +32,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_longctx import cpu_compat
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The GPT being trained (Megatron ``TransformerConfig`` fields + sequence and vocabulary)."""
+class GPTShape:
+    """The GPT being trained (Megatron ``TransformerConfig`` fields + sequence and vocabulary).
+
+    (:class:`megatron_longctx.plan.model.ModelShape` is the planner's analytic model; this one is built.)
+    """
 
     num_layers: int = 2
     hidden_size: int = 64
@@ -49,6 +49,9 @@ class ModelShape:
     seq_length: int = 8192
     vocab_size: int = 320
     dropout: float = 0.0
+    swiglu: bool = False  # gated SiLU MLP (Llama): fc1 is [2·ffn, h]
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    add_bias_linear: bool = True  # Llama has no linear biases
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
@@ -61,6 +64,12 @@ class ModelShape:
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be a multiple of "
                              f"--num-query-groups ({self.num_query_groups})")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
+
+
+# The former name, kept importable for callers not yet moved to GPTShape.
+ModelShape = GPTShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,50 +104,55 @@ class StepResult:
     step_time_s: float
     tokens: int
     peak_bytes: int
+    cpu_time_s: float = 0.0  # process CPU-seconds of the step on this rank (all its threads)
 
 
 class MemoryMeter:
-    """Peak memory of a block on this rank: CUDA ``max_memory_allocated`` on GPU, sampled RSS on CPU.
+    """Peak memory a block adds on this rank, over ``base_bytes``: :class:`~megatron_longctx.memory.accounting.PeakMemory`
+    (CUDA ``max_memory_allocated`` on GPU, sampled RSS and ``ru_maxrss`` on CPU) plus an enforced budget.
 
-    ``budget_bytes`` (optional) is enforced: on CPU a sampling thread ends the process with
-    :data:`EXIT_OVER_BUDGET` as soon as RSS − ``base_bytes`` passes it (on GPU the caller sets
+    ``budget_bytes`` (optional): on CPU a watchdog reads PeakMemory's running peak and ends the process
+    with :data:`EXIT_OVER_BUDGET` as soon as peak − ``base_bytes`` passes it (on GPU the caller sets
     ``torch.cuda.set_per_process_memory_fraction`` and an OOM is the failure).
     """
 
     def __init__(self, base_bytes: int, budget_bytes: Optional[int] = None, interval_s: float = 0.002) -> None:
+        from megatron_longctx.memory.accounting import PeakMemory
+
         self.base_bytes = base_bytes
         self.budget_bytes = budget_bytes
         self.interval_s = interval_s
         self.peak_bytes = 0
+        self._peak = PeakMemory(device(), interval_s=interval_s)
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._watchdog: Optional[threading.Thread] = None
 
-    def _sample(self) -> None:
+    def _watch(self) -> None:
         while not self._stop.is_set():
-            used = rss_bytes() - self.base_bytes
-            self.peak_bytes = max(self.peak_bytes, used)
-            if self.budget_bytes is not None and used > self.budget_bytes:
+            used = self._peak.peak_bytes - self.base_bytes
+            if used > self.budget_bytes:
                 over_budget_exit(used, self.budget_bytes)
             time.sleep(self.interval_s)
 
     def __enter__(self) -> "MemoryMeter":
         self.peak_bytes = 0
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        else:
+        self._peak.__enter__()
+        if self.budget_bytes is not None and self._peak.device.type == "cpu":
             self._stop.clear()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+            self._watchdog = threading.Thread(target=self._watch, daemon=True)
+            self._watchdog.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            self.peak_bytes = torch.cuda.max_memory_allocated()
-        elif self._thread is not None:
+        self._peak.__exit__(*exc)
+        if self._watchdog is not None:
             self._stop.set()
-            self._thread.join()
-            self.peak_bytes = max(self.peak_bytes, rss_bytes() - self.base_bytes)
+            self._watchdog.join()
+            self._watchdog = None
+        on_gpu = self._peak.device.type == "cuda"
+        self.peak_bytes = self._peak.peak_bytes if on_gpu else self._peak.peak_bytes - self.base_bytes
+        if self.budget_bytes is not None and not on_gpu and self.peak_bytes > self.budget_bytes:
+            over_budget_exit(self.peak_bytes, self.budget_bytes)  # a spike between samples, seen by ru_maxrss
 
 
 EXIT_OVER_BUDGET = 75
@@ -182,7 +196,7 @@ class Trainer:
     the data-parallel ranks (world / CP) and then into micro-batches of one sequence.
     """
 
-    def __init__(self, shape: ModelShape, variant: Variant, optim: OptimConfig, global_batch: int, seed: int) -> None:
+    def __init__(self, shape: GPTShape, variant: Variant, optim: OptimConfig, global_batch: int, seed: int) -> None:
         from megatron.core import parallel_state
 
         world = dist.get_world_size()
@@ -198,7 +212,6 @@ class Trainer:
                              f"({self.dp} = {world} ranks / CP {cp})")
         self.shape, self.variant, self.optim_cfg, self.seed = shape, variant, optim, seed
         self.global_batch, self.num_microbatches = global_batch, global_batch // self.dp
-        self.fallbacks: dict[str, str] = {}
         parallel_state.initialize_model_parallel(context_parallel_size=cp)
         self.cp_group = parallel_state.get_context_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -219,7 +232,10 @@ class Trainer:
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if v.context_parallel_size > 1:
             extra["cp_comm_type"] = v.cp_comm_type
+        if s.swiglu:  # Llama's MLP: silu(x W_gate) * (x W_up), one fused fc1 of 2·ffn rows
+            extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
         return TransformerConfig(
+            normalization=s.normalization, add_bias_linear=s.add_bias_linear,
             num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
             num_query_groups=s.num_query_groups, ffn_hidden_size=s.ffn_hidden_size,
             hidden_dropout=s.dropout, attention_dropout=s.dropout, context_parallel_size=v.context_parallel_size,
@@ -229,7 +245,7 @@ class Trainer:
     def layer_spec(self) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        spec = get_gpt_layer_local_spec()
+        spec = get_gpt_layer_local_spec(normalization=self.shape.normalization)
         if self.variant.plugin:
             from megatron_longctx import apply_to_spec
 
@@ -265,28 +281,8 @@ class Trainer:
 
         ddp = DistributedDataParallel(self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), self.model)
         self.config.no_sync_func = ddp.no_sync
-        try:  # grads are all zero here: a real reduction of nothing, the same call on every rank
-            ddp.finish_grad_sync()
-            self.config.finalize_model_grads_func = finalize_model_grads
-        except (RuntimeError, AssertionError) as exc:
-            if not cpu_compat.needed():
-                raise
-            self.fallbacks["ddp_grad_sync"] = ("manual all-reduce of DDP's main_grad over the dp_cp group "
-                                               f"(DDP.finish_grad_sync: {_first_line(exc)})")
-            self.config.finalize_model_grads_func = self._manual_grad_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
         return ddp
-
-    def _manual_grad_sync(self, model: list, *args: Any, **kwargs: Any) -> None:
-        """DDP's reduction without its CUDA-stream bookkeeping: average ``main_grad`` over ``dp_cp``."""
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        size = dist.get_world_size(group)
-        for param in self.model.parameters():
-            grad = getattr(param, "main_grad", None)
-            if grad is not None and size > 1:
-                dist.all_reduce(grad, group=group)  # [param shape], summed over dp x cp
-                grad.div_(size)
 
     def _build_optimizer(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -294,16 +290,7 @@ class Trainer:
         o = self.optim_cfg
         cfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                               adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=False, fp16=False)
-        try:
-            return get_megatron_optimizer(cfg, [self.ddp])
-        except (RuntimeError, AssertionError) as exc:
-            return self._fallback_optimizer(f"get_megatron_optimizer: {_first_line(exc)}")
-
-    def _fallback_optimizer(self, reason: str) -> "_PlainAdamW":
-        if not cpu_compat.needed():
-            raise RuntimeError(f"Megatron's optimizer failed on a GPU: {reason}")
-        self.fallbacks["optimizer"] = f"torch.optim.AdamW on DDP main_grad ({reason})"
-        return _PlainAdamW(self.ddp, self.optim_cfg)
+        return get_megatron_optimizer(cfg, [self.ddp])
 
     # ------------------------------------------------------------------ one step
     def _reseed(self, step: int) -> None:
@@ -344,7 +331,7 @@ class Trainer:
         self._reseed(step)
         micro = self._microbatches(batch)
         _sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = get_forward_backward_func()(
@@ -354,43 +341,27 @@ class Trainer:
         )
         grad_norm = self._optimizer_step()
         _sync()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         loss = torch.stack([d["loss"] for d in losses]).sum() / self.num_microbatches  # this rank's CP share
         dist.all_reduce(loss)  # sum over CP shares and DP ranks
         tokens = self.global_batch * self.shape.seq_length
         return StepResult(step=step, loss=loss.item() / self.dp, grad_norm=float(grad_norm), step_time_s=elapsed,
-                          tokens=tokens, peak_bytes=meter.peak_bytes if meter else 0)
+                          tokens=tokens, peak_bytes=meter.peak_bytes if meter else 0, cpu_time_s=cpu)
 
     def _optimizer_step(self) -> float:
-        try:
-            ok, grad_norm, _ = self.optimizer.step()
-        except (RuntimeError, AssertionError) as exc:
-            message = str(exc).lower()
-            if isinstance(self.optimizer, _PlainAdamW) or not ("cuda" in message or "nvidia" in message):
-                raise
-            self.optimizer = self._fallback_optimizer(f"MegatronOptimizer.step: {_first_line(exc)}")
-            ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         return float(grad_norm if grad_norm is not None else math.nan)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str, step: int) -> str:
-        """Save model + optimizer + ``step`` with Megatron's dist_checkpointing (fallback: one file per rank)."""
+        """Save model + optimizer + ``step`` with Megatron's ``dist_checkpointing`` (``torch_dist``)."""
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
         dist.barrier()
-        if "checkpoint" not in self.fallbacks and isinstance(self.optimizer, _PlainAdamW):
-            self.fallbacks["checkpoint"] = "torch.save per rank (the CPU optimizer fallback has no sharded state)"
-        elif "checkpoint" not in self.fallbacks and not self._cuda_sync_usable():
-            self.fallbacks["checkpoint"] = ("torch.save per rank (dist_checkpointing's writer calls "
-                                            "torch.cuda.synchronize(), unusable here outside cpu_compat.enabled())")
-        if "checkpoint" in self.fallbacks:
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step},
-                       os.path.join(directory, f"rank{dist.get_rank()}.pt"))
-        else:
-            dist_checkpointing.save(self._sharded_state_dict(step), directory)
+        dist_checkpointing.save(self._sharded_state_dict(step), directory)
         dist.barrier()
         return directory
 
@@ -398,12 +369,6 @@ class Trainer:
         """Load a checkpoint written by :meth:`save`; returns the step it was taken after."""
         from megatron.core import dist_checkpointing
 
-        per_rank = os.path.join(directory, f"rank{dist.get_rank()}.pt")
-        if os.path.exists(per_rank):
-            state = torch.load(per_rank, weights_only=False)
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            return int(state["step"])
         state = dist_checkpointing.load(self._sharded_state_dict(0), directory)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -413,17 +378,14 @@ class Trainer:
         model_sd = self.model.sharded_state_dict()
         return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd), "step": step}
 
-    @staticmethod
-    def _cuda_sync_usable() -> bool:
-        try:
-            torch.cuda.synchronize()
-            return True
-        except (RuntimeError, AssertionError):
-            return False
-
     def parameter_checksum(self) -> float:
         """Sum of |w| over this rank's parameters (equal inits across layouts give equal sums)."""
         return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Substitutes taken for Megatron's DDP/optimizer/checkpointing: none, a failure raises (kept for callers)."""
+        return {}
 
     def close(self) -> None:
         from megatron.core import parallel_state
@@ -433,50 +395,9 @@ class Trainer:
         parallel_state.destroy_model_parallel()
 
 
-class _PlainAdamW:
-    """``torch.optim.AdamW`` over DDP's reduced ``main_grad`` (TP = 1): Megatron's FP32 optimizer's math."""
-
-    def __init__(self, ddp: Any, cfg: OptimConfig) -> None:
-        from megatron.core import parallel_state
-
-        if parallel_state.get_tensor_model_parallel_world_size() != 1:
-            raise ValueError("the CPU optimizer fallback supports --tensor-model-parallel-size 1 only")
-        self.params = [p for p in ddp.parameters() if p.requires_grad]
-        self.cfg = cfg
-        self.inner = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=1e-8,
-                                       weight_decay=cfg.weight_decay)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> tuple[bool, float, None]:
-        for p in self.params:
-            p.grad = p.main_grad.float() if getattr(p, "main_grad", None) is not None else p.grad
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
-        if self.cfg.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad)
-        self.inner.step()
-        return math.isfinite(norm), norm, None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if "NVIDIA driver" in text or "Torch not compiled with CUDA" in text:
-        text = "needs CUDA"
-    return f"{type(exc).__name__}: {text}"[:160]
 
 
 def median(values: list[float]) -> float:

@@ -1,10 +1,16 @@
 """Tiled logits + (vocab-parallel) cross-entropy: never materialise ``[s, b, V]`` logits.
 
-The output projection and the loss run over sequence tiles; forward keeps only the per-token
-log-sum-exp (``[s, b]`` float32) and backward recomputes one tile's logits at a time.  Same loss and
-gradients as Megatron's ``output_layer`` + ``vocab_parallel_cross_entropy`` (vocab split over TP; a
-CP rank simply owns its tokens).  ALST tiled logits+loss (arXiv:2506.13996); the vocab-parallel softmax
-is Megatron's (Shoeybi et al. 2019, arXiv:1909.08053).
+The output projection and the loss run over sequence tiles, and each tile's backward runs inside the
+forward while its logits are at hand (ALST's ``TiledFusedLogitsLoss`` does the same, arXiv:2506.13996):
+three matmuls per tile (logits, ``D @ W``, ``D^T h`` with ``D = softmax - onehot``) instead of four
+with a recompute in backward.  The loss is per token, so the incoming gradient ``g`` ``[s, b]`` is
+only known in backward: ``d hidden = g · (D @ W)`` is exact for any ``g``; ``d W = Σ_t g_t D_t^T h_t``
+is kept as ``A = Σ_t D_t^T h_t`` and scaled by ``c``, the most common value of ``g`` (Megatron's loss:
+``loss_mask / tokens``), and the tokens whose ``g`` differs (masked ones) are recomputed in backward
+and added as ``Σ_t (g_t - c) D_t^T h_t``.  Forward keeps ``D @ W`` ``[s, b, h]``, ``A`` ``[V/tp, h]``
+float32, the hidden states and the log-sum-exp ``[s, b]``.  Same loss and gradients as Megatron's
+``output_layer`` + ``vocab_parallel_cross_entropy`` (vocab split over TP; a CP rank simply owns its
+tokens); the vocab-parallel softmax is Megatron's (Shoeybi et al. 2019, arXiv:1909.08053).
 """
 
 from __future__ import annotations
@@ -42,16 +48,33 @@ def _tile_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def _softmax_minus_onehot(probs: torch.Tensor, target: torch.Tensor, v_start: int) -> torch.Tensor:
+    """``probs - onehot(target)`` in place; ``probs`` ``[t, ..., V/tp]`` holds this rank's vocabulary slice."""
+    v_local = probs.shape[-1]
+    local = target - v_start  # [t, ...]
+    in_range = (local >= 0) & (local < v_local)
+    probs.scatter_add_(-1, local.clamp(0, v_local - 1).unsqueeze(-1), -in_range.unsqueeze(-1).to(probs.dtype))
+    return probs
+
+
 def tiled_loss_forward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.Tensor,
-                       target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss ``[s, b]`` and log-sum-exp ``[s, b]`` (float32); ``target`` ``[s, b]``."""
+                       target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-token loss and log-sum-exp ``[s, b]`` (float32), ``D @ W`` ``[s, b, h]`` and ``D^T h`` ``[V/tp, h]``.
+
+    ``target`` ``[s, b]``.  ``D @ W`` is this rank's share (summed over TP in backward).
+    """
     tp, rank = _group_size_rank(args.tp_group)
     v_local = weight.shape[0]
     v_start = rank * v_local
-    loss = torch.empty(target.shape, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)  # [s, b]
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    loss = torch.empty(target.shape, dtype=acc, device=hidden.device)  # [s, b]
     lse = torch.empty_like(loss)  # [s, b]
+    d_hidden = torch.empty_like(hidden)  # [s, b, h]: D @ W, d loss_t / d hidden_t
+    d_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                           device=weight.device)  # [V/tp, h]: sum_t D_t^T h_t
     for start, end in _bounds(hidden.shape[0], args.num_tiles):
-        logits = _tile_logits(hidden[start:end], weight)  # [t, b, V/tp]
+        h = hidden[start:end]  # [t, b, h]
+        logits = _tile_logits(h, weight)  # [t, b, V/tp]
         row_max = logits.max(dim=-1).values  # [t, b]
         if tp > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=args.tp_group)  # [t, b]
@@ -66,29 +89,44 @@ def tiled_loss_forward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.
             picked, sum_exp = both[0], both[1]
         lse[start:end] = row_max + torch.log(sum_exp)
         loss[start:end] = lse[start:end] - picked
-    return loss, lse
+        # the tile's backward while its logits are here: D = softmax - onehot, in the same buffer
+        grad_logits = _softmax_minus_onehot(logits.div_(sum_exp.unsqueeze(-1)), target[start:end], v_start)
+        grad_logits = grad_logits.to(hidden.dtype)  # [t, b, V/tp]
+        torch.matmul(grad_logits, weight, out=d_hidden[start:end])  # [t, b, h]
+        d_weight.addmm_(grad_logits.reshape(-1, v_local).t(), h.reshape(-1, h.shape[-1]).to(d_weight.dtype))  # [V/tp, h]
+    return loss, lse, d_hidden, d_weight
+
+
+def _most_common(values: torch.Tensor) -> torch.Tensor:
+    """The value ``values`` takes most often (a 0-d tensor)."""
+    uniq, counts = torch.unique(values.reshape(-1), return_counts=True)
+    return uniq[counts.argmax()]
 
 
 def tiled_loss_backward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                        lse: torch.Tensor, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``sum(grad_loss * loss)`` for ``hidden`` ``[s, b, h]`` and ``weight`` ``[V/tp, h]``."""
+                        saved: tuple[torch.Tensor, ...], grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``sum(grad_loss * loss)`` for ``hidden`` ``[s, b, h]`` and ``weight`` ``[V/tp, h]``.
+
+    ``saved`` = (lse, D @ W, D^T h) from :func:`tiled_loss_forward`; ``grad_loss`` ``[s, b]`` float32.
+    """
     tp, rank = _group_size_rank(args.tp_group)
-    v_local = weight.shape[0]
-    v_start = rank * v_local
-    grad_hidden = torch.empty_like(hidden)  # [s, b, h]
-    grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)  # [V/tp, h]
-    for start, end in _bounds(hidden.shape[0], args.num_tiles):
-        h = hidden[start:end]  # [t, b, h]
-        # softmax - onehot(target), scaled by the incoming gradient, all in one tile buffer
-        probs = _tile_logits(h, weight).sub_(lse[start:end].unsqueeze(-1)).exp_()  # [t, b, V/tp]
-        local = target[start:end] - v_start  # [t, b]
-        in_range = (local >= 0) & (local < v_local)
-        probs.scatter_add_(-1, local.clamp(0, v_local - 1).unsqueeze(-1), -in_range.unsqueeze(-1).to(probs.dtype))
-        grad_logits = probs.mul_(grad_loss[start:end].unsqueeze(-1)).to(hidden.dtype)  # [t, b, V/tp]
-        grad_hidden[start:end] = torch.matmul(grad_logits, weight)  # [t, b, h]
-        grad_weight += torch.einsum("tbv,tbh->vh", grad_logits, h).to(grad_weight.dtype)  # [V/tp, h]
+    lse, d_hidden, d_weight = saved
+    grad_hidden = d_hidden.mul_(grad_loss.unsqueeze(-1).to(d_hidden.dtype))  # [s, b, h], exact for any g
     if args.reduce_grad_input and tp > 1:
         dist.all_reduce(grad_hidden, group=args.tp_group)  # [s, b, h]
+    common = _most_common(grad_loss)
+    grad_weight = d_weight.mul_(common)  # [V/tp, h]
+    rows = (grad_loss != common).reshape(-1).nonzero().squeeze(-1)  # [r] tokens (flattened s·b) to correct
+    if rows.numel():
+        h_all = hidden.reshape(-1, hidden.shape[-1])  # [s·b, h]
+        tile = max(1, -(-hidden.shape[0] // args.num_tiles) * hidden.shape[1])
+        for start in range(0, rows.numel(), tile):
+            idx = rows[start:start + tile]  # [r_t]
+            h = h_all.index_select(0, idx)  # [r_t, h]
+            probs = _tile_logits(h, weight).sub_(lse.reshape(-1)[idx].unsqueeze(-1)).exp_()  # [r_t, V/tp]
+            grad_logits = _softmax_minus_onehot(probs, target.reshape(-1)[idx], rank * weight.shape[0])
+            scale = (grad_loss.reshape(-1)[idx] - common).unsqueeze(-1)  # [r_t, 1]
+            grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), (scale * h).to(grad_weight.dtype))  # [V/tp, h]
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
@@ -96,15 +134,20 @@ class TiledLogitsLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, args: TiledLossArgs, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 target: torch.Tensor) -> torch.Tensor:
-        loss, lse = tiled_loss_forward(args, hidden, weight, target)
+        loss, lse, d_hidden, d_weight = tiled_loss_forward(args, hidden, weight, target)
         ctx.args = args
-        ctx.save_for_backward(hidden, weight, target, lse)
+        ctx.save_for_backward(hidden, weight, target, lse, d_hidden, d_weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
-        hidden, weight, target, lse = ctx.saved_tensors
-        grad_hidden, grad_weight = tiled_loss_backward(ctx.args, hidden, weight, target, lse, grad_loss.to(lse.dtype))
+        if getattr(ctx, "done", False):  # the saved D @ W and D^T h were scaled in place by the first backward
+            raise RuntimeError("tiled logits+loss: a second backward through the same graph (retain_graph=True) is "
+                               "not supported; run the forward again, or set --longctx-tiled-loss-tiles 0")
+        ctx.done = True
+        hidden, weight, target, lse, d_hidden, d_weight = ctx.saved_tensors
+        grad_hidden, grad_weight = tiled_loss_backward(ctx.args, hidden, weight, target, (lse, d_hidden, d_weight),
+                                                       grad_loss.to(lse.dtype))
         return None, grad_hidden, grad_weight, None
 
 
@@ -117,7 +160,8 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
         output_weight: ``[V/tp, h]`` this TP rank's vocabulary rows (rank r owns rows ``r·V/tp ...``).
         labels: ``[b, s]`` token ids.
         tp_group: the vocab-parallel (tensor-parallel) group, or None.
-        num_tiles: sequence tiles; peak extra memory is one ``[s/num_tiles, b, V/tp]`` float32 tile.
+        num_tiles: sequence tiles; peak extra memory is one ``[s/num_tiles, b, V/tp]`` float32 tile, and
+            ``[s, b, h]`` + ``[V/tp, h]`` float32 held from forward to backward.
         reduce_grad_input: all-reduce ``d hidden`` over ``tp_group`` (hidden replicated, as in a
             ColumnParallelLinear without sequence parallel); False when the caller's gather reduces it.
     Returns:

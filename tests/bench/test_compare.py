@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from megatron_longctx.bench import compare, report
-from megatron_longctx.bench.configs import BASELINE, default_configs, select, unavailable_reason
+from megatron_longctx.bench.configs import REFERENCE as BASELINE, default_configs, select, unavailable_reason
 from megatron_longctx.bench.regression import search_max_seq
 
 
@@ -104,12 +104,24 @@ def test_search_rejects_a_bad_start():
         search_max_seq(lambda s: True, start=300, cap=4096, granularity=256, resolution=0.1)
 
 
+def by_name_of(configs):
+    return {c.name: c for c in configs}
+
+
 def test_config_selection_and_availability():
     configs = default_configs(2)
     names = [c.name for c in configs]
-    assert names[0] == BASELINE and {"baseline+recompute", "ring", "allgather", "ulysses", "hybrid",
+    assert names[0] == BASELINE and {"megatron-flash", "megatron-flash+recompute", "megatron-flash+cp",
+                                     "megatron-flash+cp+recompute", "allgather", "ulysses", "hybrid",
                                      "ring+offload", "ring+tiled", "ring+all"} <= set(names)
-    assert [c.name for c in select(configs, ["ring"])] == [BASELINE, "ring"]
+    roles = {c.name: c.as_dict()["role"] for c in configs}
+    assert {n for n, r in roles.items() if r == "baseline"} == {
+        BASELINE, "megatron-flash", "megatron-flash+recompute", "megatron-flash+cp", "megatron-flash+cp+recompute"}
+    flash = by_name_of(configs)["megatron-flash"].variant
+    assert flash.plugin and flash.context_parallel_size == 1 and not flash.megatron_recompute
+    assert dict(flash.longctx_options) == {"cp_algorithm": "ring"}  # every plugin memory feature off
+    assert by_name_of(configs)["megatron-flash+cp"].variant.context_parallel_size == 2
+    assert [c.name for c in select(configs, ["ring+all"])] == [BASELINE, "ring+all"]
     with pytest.raises(ValueError, match="--configs"):
         select(configs, ["warp-drive"])
     by_name = {c.name: c for c in configs}

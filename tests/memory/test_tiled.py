@@ -3,6 +3,7 @@
 Oracles: Megatron's ``output_layer`` + ``vocab_parallel_cross_entropy`` and the untiled MLP, float64.
 """
 
+import pytest
 import torch
 
 from megatron_longctx.memory import MemoryConfig
@@ -71,6 +72,49 @@ def _loss_matches_vocab_parallel_cross_entropy():
 
 def test_tiled_loss_matches_vocab_parallel_cross_entropy_tp2():
     run_ranks(2, _loss_matches_vocab_parallel_cross_entropy)
+
+
+def _float64_oracle(hidden, weight, labels, grad_out):
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    s, b, _ = hidden.shape
+    loss = torch.nn.functional.cross_entropy((x @ w.t()).reshape(s * b, -1), labels.t().reshape(-1),
+                                             reduction="none").view(s, b).t()  # [b, s]
+    (loss * grad_out).sum().backward()
+    return loss.detach(), {"hidden": x.grad, "weight": w.grad}
+
+
+def test_tiled_loss_backward_in_forward_any_incoming_gradient():
+    """The uniform-gradient path, masked tokens (corrected in backward) and an arbitrary gradient, vs float64."""
+    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+
+    g = torch.Generator().manual_seed(1)
+    s, b, h, vocab = 11, 2, 6, 17
+    hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+    weight = torch.randn(vocab, h, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.float64)
+    mask[0, :3] = 0
+    mask[1, 7] = 0
+    for grad_out in (torch.full((b, s), 0.25, dtype=torch.float64), mask / mask.sum(),
+                     torch.rand(b, s, dtype=torch.float64, generator=g)):
+        exact = _float64_oracle(hidden, weight, labels, grad_out)
+        for tiles in (1, 3, 11):
+            x = hidden.clone().requires_grad_()
+            w = weight.clone().requires_grad_()
+            loss = tiled_logits_loss(x, w, labels, None, tiles)
+            (loss * grad_out).sum().backward(retain_graph=True)
+            assert_same(exact, (loss.detach(), {"hidden": x.grad, "weight": w.grad}))
+            with pytest.raises(RuntimeError, match="retain_graph"):
+                (loss * grad_out).sum().backward()
+    # float32: Megatron's precision, against the same float64 oracle
+    x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    loss = tiled_logits_loss(x, w, labels, None, 4)
+    (loss * (mask / mask.sum()).float()).sum().backward()
+    exact = _float64_oracle(hidden, weight, labels, mask / mask.sum())
+    torch.testing.assert_close(loss.double(), exact[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), exact[1]["hidden"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), exact[1]["weight"], rtol=1e-5, atol=1e-6)
 
 
 def _gpt_tiled_matches_plain():

@@ -1,0 +1,246 @@
+"""The peers side by side: DeepSpeed Ulysses, ALST's tiled MLP and tiled loss, torch's context_parallel.
+
+    python -m megatron_longctx.bench.peers --out-dir runs/peers          (or: megatron-longctx bench --peers)
+
+Every measurement is a fresh process (a fresh pair of gloo ranks for attention) running one
+implementation: a float64 check at a small shape (also the warm-up), then one forward + backward at the
+measured shape; CPU-seconds (``time.process_time``, the slowest rank) and the peak resident memory the
+call added, per rank.  ``--rounds`` rounds alternate the order of the implementations (A B, then B A,
+...) and the table reports medians, the ratio ours / peer and the load average at the start of each
+row.  A peer that is not installed is a row ``unavailable: <reason>``.
+See :mod:`megatron_longctx.bench.peer_cases` for the implementations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import traceback
+from typing import Any, Callable, Optional
+
+from megatron_longctx.bench import peer_cases as cases
+
+SCHEMA = "megatron-longctx-peers/1"
+# (ours, peer) pairs the table sets against each other
+PAIRS = (("ours-ulysses", "deepspeed-ulysses"), ("ours-ring", "deepspeed-ulysses"),
+         ("ours-tiled-mlp", "alst-tiled-mlp"), ("ours-tiled-loss", "alst-tiled-loss"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_longctx.bench.peers", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out-dir", default="runs/peers")
+    p.add_argument("--rounds", type=int, default=5, help="fresh processes per implementation and shape (median)")
+    p.add_argument("--attention-seqs", default="4096,8192", help="global sequence lengths of the attention cases")
+    p.add_argument("--kv-heads", default="8,2", help="KV heads of the attention cases (8 query heads, d 64)")
+    p.add_argument("--tiled-seqs", default="16384,32768", help="sequence lengths of the tiled MLP / loss cases")
+    p.add_argument("--hidden-size", type=int, default=256, help="tiled cases: h (Llama proportions: ffn 3.5h, V 32h)")
+    p.add_argument("--shards", type=int, default=16, help="tiles of both tiled implementations")
+    p.add_argument("--only", default=None, help="comma-separated implementations (default: all)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per process")
+    return p
+
+
+# ------------------------------------------------------------------------------------------ launching
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Callable, case: dict, results: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        results.put((rank, fn(case)))
+    except BaseException as exc:  # noqa: BLE001 - reported as the case's status, never a hang
+        results.put((rank, {"status": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+                            "traceback": traceback.format_exc()[-2000:]}))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_fresh(fn: Callable, case: dict, world: int, timeout: float) -> list[dict[str, Any]]:
+    """``fn(case)`` on ``world`` fresh spawned ranks (gloo when ``world > 1``); each rank's dict, in rank order."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, case, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    values: dict[int, dict] = {}
+    try:
+        for _ in procs:
+            rank, value = results.get(timeout=timeout)
+            values[rank] = value
+    except Exception:  # noqa: BLE001 - a rank that never answers: the case timed out
+        pass
+    for proc in procs:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [values.get(r, {"status": f"failed: rank {r} gave no result within {timeout:.0f} s"}) for r in range(world)]
+
+
+# ------------------------------------------------------------------------------------------ cases
+def case_list(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (implementation, shape) case, grouped so the implementations of one shape are adjacent."""
+    only = {n.strip() for n in args.only.split(",")} if args.only else None
+    out: list[dict[str, Any]] = []
+    for seq in (int(x) for x in args.attention_seqs.split(",") if x.strip()):
+        for hkv in (int(x) for x in args.kv_heads.split(",") if x.strip()):
+            shape = {"kind": "attention", "seq": seq, "hq": 8, "hkv": hkv, "d": 64, "seed": 11}
+            out += [dict(shape, impl=i) for i in cases.ATTENTION if not only or i in only]
+    h = args.hidden_size
+    for seq in (int(x) for x in args.tiled_seqs.split(",") if x.strip()):
+        for kind, impls in (("tiled-mlp", cases.TILED_MLP), ("tiled-loss", cases.TILED_LOSS)):
+            shape = {"kind": kind, "seq": seq, "hidden": h, "ffn": 7 * h // 2, "vocab": 32 * h,
+                     "shards": args.shards, "seed": 5}
+            out += [dict(shape, impl=i) for i in impls if not only or i in only]
+    if not only or cases.TORCH_CP in only:
+        out.append({"kind": "torch-cp", "impl": cases.TORCH_CP, "seq": cases.CHECK_SEQ, "hq": 8, "d": 64, "seed": 3})
+    return out
+
+
+SHAPE_KEYS = ("kind", "seq", "hq", "hkv", "d", "hidden", "ffn", "vocab", "shards")
+
+
+def _shape_key(case: dict[str, Any]) -> tuple:
+    return tuple(case.get(k) for k in SHAPE_KEYS)
+
+
+def measure_all(all_cases: list[dict[str, Any]], rounds: int, timeout: float,
+                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Each case ``rounds`` times in fresh processes, alternating the order within each shape; one row per case."""
+    rows: list[dict[str, Any]] = []
+    groups: dict[tuple, list[dict]] = {}
+    for case in all_cases:
+        groups.setdefault(_shape_key(case), []).append(case)
+    for group in groups.values():
+        runs: dict[str, list[list[dict]]] = {c["impl"]: [] for c in group}
+        load = _loadavg()
+        unavailable = {c["impl"]: cases.peer_unavailable(c["impl"]) for c in group}
+        for r in range(1 if group[0]["kind"] == "torch-cp" else rounds):
+            order = group if r % 2 == 0 else group[::-1]
+            for case in order:
+                if unavailable[case["impl"]]:
+                    continue
+                fn, world = _entry(case["kind"])
+                runs[case["impl"]].append(run_fresh(fn, case, world, timeout))
+        for case in group:
+            rows.append(_row(case, runs[case["impl"]], unavailable[case["impl"]], load))
+            log(_row_line(rows[-1]))
+    return rows
+
+
+def _entry(kind: str) -> tuple[Callable, int]:
+    return {"attention": (cases.attention_rank, 2), "tiled-mlp": (cases.tiled_rank, 1),
+            "tiled-loss": (cases.tiled_rank, 1), "torch-cp": (cases.torch_cp_rank, 2)}[kind]
+
+
+def _row(case: dict[str, Any], runs: list[list[dict]], unavailable: Optional[str], load: str) -> dict[str, Any]:
+    row = {**case, "loadavg": load}
+    if unavailable:
+        return {**row, "status": f"unavailable: {unavailable}"}
+    failed = [rank for run in runs for rank in run if "cpu_s" not in rank]
+    if failed:
+        return {**row, "status": failed[0].get("status", "failed"), "traceback": failed[0].get("traceback")}
+    cpu = [max(rank["cpu_s"] for rank in run) for run in runs]  # the slowest rank of each run
+    peaks = [[rank["peak_added_bytes"] for rank in run] for run in runs]
+    return {**row, "status": "ok", "rounds": len(runs), "cpu_s": cpu, "cpu_s_median": statistics.median(cpu),
+            "peak_mib_per_rank_median": [statistics.median(p[i] for p in peaks) / 2**20 for i in range(len(peaks[0]))],
+            "peak_mib_median": statistics.median(max(p) for p in peaks) / 2**20,
+            "max_rel_err_vs_float64": max(rank["max_rel_err"] for run in runs for rank in run)}
+
+
+def pair_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ours / peer time and memory ratios for each :data:`PAIRS` pair at each shared shape."""
+    by = {(r["impl"], _shape_key(r)): r for r in rows}
+    out = []
+    for ours, peer in PAIRS:
+        for (impl, key), a in by.items():
+            if impl != ours:
+                continue
+            b = by.get((peer, key))
+            entry = {"ours": ours, "peer": peer, "kind": a["kind"], "seq": a["seq"], "hkv": a.get("hkv")}
+            if b is None or a["status"] != "ok" or b["status"] != "ok":
+                entry["status"] = (b or {}).get("status", "peer not measured") if a["status"] == "ok" else a["status"]
+            else:
+                entry.update(status="ok", time_ratio=a["cpu_s_median"] / b["cpu_s_median"],
+                             mem_ratio=a["peak_mib_median"] / max(b["peak_mib_median"], 1e-9))
+            out.append(entry)
+    return out
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    shape = f"s={r['seq']}" + (f" hkv={r['hkv']}" if "hkv" in r else "") + (f" h={r['hidden']}" if "hidden" in r else "")
+    if r["status"] != "ok":
+        return f"  {r['impl']:<24} {shape:<18} {r['status']}"
+    return (f"  {r['impl']:<24} {shape:<18} CPU {r['cpu_s_median']:.3f} s  peak {r['peak_mib_median']:.1f} MiB/rank  "
+            f"err {r['max_rel_err_vs_float64']:.1e}  (load {r['loadavg']})")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["### Peers side by side (CPU, float32, fresh process per measurement)", "",
+             f"Medians of {result['rounds']} alternating rounds; time = CPU-seconds of one forward + backward "
+             "(slowest rank); memory = peak RSS the call added per rank; error = max |x - x64| / max |x64| over "
+             "output and gradients at a 512-token check shape.", "",
+             "| implementation | case | seq | KV heads | CPU s | peak MiB/rank | err vs float64 | load avg |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['impl']} | {r['kind']} | {r['seq']} | {r.get('hkv', '–')} | {r['status']} | | | "
+                         f"{r['loadavg']} |")
+            continue
+        lines.append(f"| {r['impl']} | {r['kind']} | {r['seq']} | {r.get('hkv', '–')} | {r['cpu_s_median']:.3f} "
+                     f"| {r['peak_mib_median']:.1f} | {r['max_rel_err_vs_float64']:.1e} | {r['loadavg']} |")
+    lines += ["", "| ours / peer | seq | KV heads | time | peak memory |", "|---|---:|---:|---:|---:|"]
+    for p in result["pairs"]:
+        if p["status"] != "ok":
+            lines.append(f"| {p['ours']} / {p['peer']} | {p['seq']} | {p['hkv'] or '–'} | {p['status']} | |")
+        else:
+            lines.append(f"| {p['ours']} / {p['peer']} | {p['seq']} | {p['hkv'] or '–'} | {p['time_ratio']:.3f} "
+                         f"| {p['mem_ratio']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: give at least 1 (5 or more to compare times)")
+    rows = measure_all(case_list(args), args.rounds, args.timeout, log)
+    return {"schema": SCHEMA, "rounds": args.rounds, "rows": rows, "pairs": pair_rows(rows)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    result = run(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "peers.json"), "w") as f:
+        json.dump(result, f, indent=1, default=lambda o: None)
+    table = markdown(result)
+    with open(os.path.join(args.out_dir, "peers.md"), "w") as f:
+        f.write(table)
+    print(table)
+    print(f"wrote {os.path.join(args.out_dir, 'peers.json')}, {os.path.join(args.out_dir, 'peers.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

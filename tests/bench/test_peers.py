@@ -1,0 +1,66 @@
+"""The peers benchmark: a missing peer is a row with its reason; every case runs and checks against float64.
+
+Timings are never asserted; the checks are on the rows' structure and the float64 errors.
+"""
+
+import sys
+
+import pytest
+
+from megatron_longctx.bench import peer_cases, peers
+
+
+def _args(*extra):
+    return peers.build_parser().parse_args(["--rounds", "1", "--attention-seqs", "512", "--kv-heads", "2",
+                                            "--tiled-seqs", "512", "--hidden-size", "32", "--shards", "4", *extra])
+
+
+def test_a_missing_peer_is_reported_unavailable_with_the_reason(monkeypatch):
+    for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    for impl in ("deepspeed-ulysses", "alst-tiled-mlp", "alst-tiled-loss"):
+        reason = peer_cases.peer_unavailable(impl)
+        assert reason.startswith("deepspeed not importable (") and "Error" in reason and "[peers]" in reason
+    assert peer_cases.peer_unavailable("ours-ring") is None
+    rows = peers.measure_all([c for c in peers.case_list(_args("--only", "alst-tiled-mlp"))], 1, 60, log=lambda s: None)
+    assert [(r["impl"], r["status"].split(":")[0]) for r in rows] == [("alst-tiled-mlp", "unavailable")]
+    pairs = peers.pair_rows(rows)
+    assert pairs == []  # ours was not measured: no pair
+    table = peers.markdown({"rounds": 1, "rows": rows, "pairs": pairs})
+    assert "unavailable: deepspeed not importable" in table
+
+
+@pytest.mark.parametrize("impl", peer_cases.TILED_MLP + peer_cases.TILED_LOSS)
+def test_tiled_cases_in_process_match_float64(impl):
+    if peer_cases.peer_unavailable(impl):
+        pytest.skip(peer_cases.peer_unavailable(impl))
+    case = {"kind": "tiled", "impl": impl, "seq": 512, "hidden": 32, "ffn": 112, "vocab": 1024, "shards": 4, "seed": 5}
+    out = peer_cases.tiled_rank(case)
+    assert out["max_rel_err"] < 1e-5
+    assert out["cpu_s"] > 0 and out["peak_added_bytes"] >= 0
+
+
+def test_attention_and_torch_cp_rows_on_two_ranks(tmp_path):
+    only = "ours-ring,ours-ulysses,deepspeed-ulysses,torch-context-parallel"
+    rc = peers.main(["--out-dir", str(tmp_path), "--rounds", "1", "--attention-seqs", "512", "--kv-heads", "2",
+                     "--tiled-seqs", "", "--only", only])
+    assert rc == 0
+    import json
+
+    result = json.loads((tmp_path / "peers.json").read_text())
+    rows = {r["impl"]: r for r in result["rows"]}
+    for impl in ("ours-ring", "ours-ulysses"):
+        assert rows[impl]["status"] == "ok", rows[impl]
+        assert rows[impl]["max_rel_err_vs_float64"] < 1e-5 and len(rows[impl]["peak_mib_per_rank_median"]) == 2
+    ds = rows["deepspeed-ulysses"]
+    if peer_cases.peer_unavailable("deepspeed-ulysses"):
+        assert ds["status"].startswith("unavailable")
+    else:
+        assert ds["status"] == "ok" and ds["max_rel_err_vs_float64"] < 1e-5
+        pair = {(p["ours"], p["peer"]): p for p in result["pairs"]}[("ours-ulysses", "deepspeed-ulysses")]
+        assert pair["status"] == "ok" and pair["time_ratio"] > 0 and pair["mem_ratio"] > 0
+    # torch's context_parallel on CPU: the row names exactly what fails (or says it ran)
+    tcp = rows["torch-context-parallel"]["status"]
+    assert tcp.startswith("ok") or ("fails on CPU" in tcp and "Error" in tcp)
+    assert "| ours-ulysses / deepspeed-ulysses |" in (tmp_path / "peers.md").read_text()
