@@ -22,7 +22,7 @@ from megatron_longctx.memory import hooks
 
 
 @dataclasses.dataclass
-class _TilePlan:
+class _Tiles:
     fn: Callable  # mlp forward: hidden [t, b, h] -> (out [t, b, h], bias or None)
     num_tiles: int
     kwargs: dict
@@ -39,24 +39,24 @@ def _bounds(s: int, num_tiles: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def tiled_mlp_forward(plan: _TilePlan, x: torch.Tensor) -> torch.Tensor:
+def tiled_mlp_forward(tiles: _Tiles, x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[s, b, h]`` -> MLP output ``[s, b, h]``, one sequence tile at a time, no graph kept."""
     outs = []
     with torch.no_grad(), hooks.paused():
-        for start, end in _bounds(x.shape[0], plan.num_tiles):
-            out, bias = plan.fn(x[start:end], **plan.kwargs)  # [t, b, h]
+        for start, end in _bounds(x.shape[0], tiles.num_tiles):
+            out, bias = tiles.fn(x[start:end], **tiles.kwargs)  # [t, b, h]
             outs.append(out)
-            plan.bias = bias
+            tiles.bias = bias
     return torch.cat(outs, dim=0)  # [s, b, h]
 
 
-def tiled_mlp_backward(plan: _TilePlan, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+def tiled_mlp_backward(tiles: _Tiles, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """Recompute tile by tile; weight grads accumulate in ``.grad``; returns ``d x`` ``[s, b, h]``."""
     grad_x = torch.empty_like(x) if x.requires_grad else None
-    for start, end in _bounds(x.shape[0], plan.num_tiles):
+    for start, end in _bounds(x.shape[0], tiles.num_tiles):
         tile = x[start:end].detach().requires_grad_(x.requires_grad)  # [t, b, h]
         with torch.enable_grad(), hooks.paused():
-            out, _ = plan.fn(tile, **plan.kwargs)
+            out, _ = tiles.fn(tile, **tiles.kwargs)
         torch.autograd.backward(out, grad_out[start:end])
         if grad_x is not None:
             grad_x[start:end] = tile.grad
@@ -65,15 +65,15 @@ def tiled_mlp_backward(plan: _TilePlan, x: torch.Tensor, grad_out: torch.Tensor)
 
 class TiledMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _TilePlan, x: torch.Tensor):  # type: ignore[override]
-        ctx.plan = plan
+    def forward(ctx, tiles: _Tiles, x: torch.Tensor):  # type: ignore[override]
+        ctx.tiles = tiles
         ctx.save_for_backward(x)
-        return tiled_mlp_forward(plan, x)
+        return tiled_mlp_forward(tiles, x)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        return None, tiled_mlp_backward(ctx.plan, x, grad_out)
+        return None, tiled_mlp_backward(ctx.tiles, x, grad_out)
 
 
 def tiled_mlp(fn: Callable, hidden_states: torch.Tensor, num_tiles: int, **kwargs: Any) -> tuple:
@@ -84,14 +84,16 @@ def tiled_mlp(fn: Callable, hidden_states: torch.Tensor, num_tiles: int, **kwarg
     """
     if num_tiles < 1:
         raise ValueError(f"--longctx-tiled-mlp-tiles: got {num_tiles}; give an integer >= 1")
-    if not torch.is_grad_enabled() or num_tiles == 1:
+    if num_tiles == 1:
         return fn(hidden_states, **kwargs)
     if hidden_states.shape[0] < num_tiles:
         raise ValueError(f"--longctx-tiled-mlp-tiles: {num_tiles} tiles but only {hidden_states.shape[0]} "
                          "tokens in the local sequence; lower the number of tiles")
-    plan = _TilePlan(fn=fn, num_tiles=num_tiles, kwargs=kwargs)
-    out = TiledMLPFunction.apply(plan, hidden_states)
-    return out, plan.bias
+    tiles = _Tiles(fn=fn, num_tiles=num_tiles, kwargs=kwargs)
+    if not torch.is_grad_enabled():  # e.g. full recompute's first forward: tiled too, or [s, b, ffn] peaks there
+        return tiled_mlp_forward(tiles, hidden_states), tiles.bias
+    out = TiledMLPFunction.apply(tiles, hidden_states)
+    return out, tiles.bias
 
 
 def tile_mlp_forward(mlp: torch.nn.Module, num_tiles: int) -> Callable[[], None]:

@@ -153,3 +153,24 @@ def test_gpt_tiled_mlp_and_loss_match_plain_tp2():
     run_ranks(2, _gpt_tiled_matches_plain)
 
 
+
+
+def test_tiled_mlp_tiles_a_forward_without_grad():
+    """Full recompute's first forward runs without grad: it is tiled too (one MLP call per tile), same output."""
+    from megatron_longctx.memory.tiled_mlp import tiled_mlp
+
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 64, dtype=torch.float64), torch.randn(64, 16, dtype=torch.float64)
+    seen = []
+
+    def mlp(x):  # [t, b, h] -> ([t, b, h], None)
+        seen.append(x.shape[0])
+        return torch.nn.functional.silu(x @ w1) @ w2, None
+
+    x = torch.randn(10, 2, 16, dtype=torch.float64)
+    expected, _ = mlp(x)
+    seen.clear()
+    with torch.no_grad():
+        out, bias = tiled_mlp(mlp, x, num_tiles=4)
+    assert seen == [3, 3, 2, 2] and bias is None
+    torch.testing.assert_close(out, expected)
