@@ -86,7 +86,15 @@ def remove_stale(root: str, grace_s: float = 60.0) -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         for name in sorted(os.listdir(root)):
             path = os.path.join(root, name)
-            if not name.startswith(_PREFIX) or not os.path.isdir(path):
+            if not os.path.isdir(path):
+                continue
+            if name.startswith("." + _PREFIX):  # killed while being set up (before its lock was held)
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - os.path.getmtime(path) > grace_s:
+                        shutil.rmtree(path, ignore_errors=True)
+                        removed.append(path)
+                continue
+            if not name.startswith(_PREFIX):
                 continue
             if _is_stale(path, grace_s):
                 shutil.rmtree(path, ignore_errors=True)
@@ -123,10 +131,15 @@ class RunDir:
             raise disk_error("creating the offload directory", root, exc) from exc
         self.stale_removed = remove_stale(root)
         try:
-            self.path = tempfile.mkdtemp(prefix=f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=root)
-            self._fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+            # made under a hidden name and renamed once locked: another process's remove_stale never sees
+            # a directory whose lock is not held yet
+            name = f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+            hidden = tempfile.mkdtemp(prefix="." + name, dir=root)
+            self._fd = os.open(os.path.join(hidden, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(self._fd, f"{os.getpid()}\n".encode())
+            self.path = os.path.join(root, os.path.basename(hidden)[1:])
+            os.rename(hidden, self.path)
         except OSError as exc:
             raise disk_error("creating a run directory under", root, exc) from exc
         probe = os.path.join(self.path, "probe.bin")

@@ -93,7 +93,8 @@ def tiled_loss_forward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.
         grad_logits = _softmax_minus_onehot(logits.div_(sum_exp.unsqueeze(-1)), target[start:end], v_start)
         grad_logits = grad_logits.to(hidden.dtype)  # [t, b, V/tp]
         torch.matmul(grad_logits, weight, out=d_hidden[start:end])  # [t, b, h]
-        d_weight.addmm_(grad_logits.reshape(-1, v_local).t(), h.reshape(-1, h.shape[-1]).to(d_weight.dtype))  # [V/tp, h]
+        d_weight.addmm_(grad_logits.reshape(-1, v_local).t().to(d_weight.dtype),
+                        h.reshape(-1, h.shape[-1]).to(d_weight.dtype))  # [V/tp, h], accumulated in float32
     return loss, lse, d_hidden, d_weight
 
 
