@@ -1,0 +1,208 @@
+"""One rank of the main job: Megatron-LM's ``pretrain`` with the plugin's providers.
+
+Started by :mod:`megatron_longctx.megatron.pretrain` under ``torchrun``::
+
+    python -m torch.distributed.run ... -m megatron_longctx.megatron.main_worker <Megatron and --longctx-* flags>
+
+The run-level settings that are not Megatron flags (which phase this is, where the per-step metrics
+go, whether to draw a progress bar, where to leave a failure marker) come in the JSON environment
+variable :data:`JOB_ENV`.  Two hooks are put around Megatron's own functions for the duration of the
+run, and nothing else is changed:
+
+* ``train_step``: each finished step's loss (Megatron's ``lm loss``, reduced over ``dp_cp``), grad norm,
+  learning rate, time and peak memory per rank go to ``metrics.jsonl`` and the progress bar;
+* ``save_checkpoint``: once Megatron has written an iteration folder and its tracker file, the
+  integrity manifest of that folder is written (:mod:`megatron_longctx.megatron.checkpoint_guard`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+JOB_ENV = "LONGCTX_JOB"
+
+
+def job_settings() -> dict[str, Any]:
+    return json.loads(os.environ.get(JOB_ENV, "{}"))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class StepLog:
+    """Per-step rows on rank 0 (``metrics.jsonl``) and a tqdm bar; peaks gathered from every rank."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.name = settings.get("name", "plugin")
+        self.metrics = settings.get("metrics")
+        self.progress = settings.get("progress", True)
+        self.total = settings.get("total_steps")
+        self.bar: Any = None
+        self.started = False
+        self.base_rss = rss_bytes()
+        self.peak_rss = 0
+
+    def _rank0(self) -> bool:
+        return dist.get_rank() == 0
+
+    def _start(self, first: int) -> None:
+        self.started = True
+        if not (self.progress and self._rank0()):
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=self.total, initial=first, desc=self.name, unit="step", dynamic_ncols=True,
+                        file=sys.stdout)
+
+    def peaks(self) -> list[int]:
+        if torch.cuda.is_available():
+            local = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            local = max(self.peak_rss, rss_bytes()) - self.base_rss
+        t = torch.zeros(dist.get_world_size(), dtype=torch.int64,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+        t[dist.get_rank()] = local  # [world], one slot per rank
+        dist.all_reduce(t)
+        return [int(x) for x in t]
+
+    def add(self, step: int, loss: float, grad_norm: Optional[float], lr: float, seconds: float, tokens: int) -> None:
+        row = {"run": self.name, "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+               "step_time_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+               "peak_mem_bytes_per_rank": self.peaks(),
+               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if not self._rank0():
+            return
+        if not self.started:
+            self._start(step - 1)
+        if self.metrics:
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        mem = max(row["peak_mem_bytes_per_rank"]) / 2**20
+        text = f"loss {loss:.4f}  tok/s {row['tokens_per_s']:.0f}  mem/rank {mem:.0f} MiB"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+            self.bar.update(1)
+        else:
+            print(f"[{self.name}] step {step}/{self.total}  {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _wrap_train_step(original: Callable, log: StepLog) -> Callable:
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
+        margs = get_args()
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        loss_dict, skipped, grad_norm = out[0], out[1], out[5]
+        if "lm loss" in loss_dict and not skipped:
+            value = loss_dict["lm loss"]
+            loss = float(value.item() if isinstance(value, torch.Tensor) else value)
+            optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
+            lr = float(optimizer.param_groups[0]["lr"])
+            tokens = margs.global_batch_size * margs.seq_length
+            log.add(margs.curr_iteration + 1, loss, None if grad_norm is None else float(grad_norm), lr, seconds,
+                    tokens)
+        return out
+
+    return train_step
+
+
+def _wrap_save_checkpoint(original: Callable) -> Callable:
+    from megatron_longctx.megatron import checkpoint_guard
+
+    @functools.wraps(original)
+    def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
+        out = original(iteration, *args, **kwargs)
+        save_dir = get_args().save
+        if dist.get_rank() == 0:
+            checkpoint_guard.write_manifest(save_dir, iteration)
+        dist.barrier()
+        return out
+
+    return save_checkpoint
+
+
+def _install_hooks(log: StepLog) -> list[tuple[Any, str, Any]]:
+    from megatron.training import training
+
+    saved = []
+    for name, wrap in (("train_step", lambda f: _wrap_train_step(f, log)), ("save_checkpoint", _wrap_save_checkpoint)):
+        saved.append((training, name, getattr(training, name)))
+        setattr(training, name, wrap(getattr(training, name)))
+    return saved
+
+
+def _fail_marker(settings: dict[str, Any]) -> None:
+    """Tell the launcher this rank failed, so it ends the job now rather than after torchrun's grace."""
+    folder = settings.get("marker_dir")
+    if folder:
+        rank = os.environ.get("RANK", "0")
+        with open(os.path.join(folder, f"rank{rank}.failed"), "w") as f:
+            f.write(traceback.format_exc())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    settings = job_settings()
+    try:
+        return _run(argv, settings)
+    except BaseException:
+        _fail_marker(settings)
+        raise
+
+
+def _run(argv: list[str], settings: dict[str, Any]) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import providers
+    from megatron_longctx.megatron.args import add_longctx_args
+    from megatron_longctx.megatron.training_cpu import cpu_training
+
+    sys.argv = [sys.argv[0], *argv]
+    log = StepLog(settings)
+    with cpu_training():
+        args = parse_and_validate_args(extra_args_provider=add_longctx_args)
+        full_config = pretrain_cfg_container_from_args(args)  # no model config: our model_provider builds it
+        saved = _install_hooks(log)
+        try:
+            training.pretrain(full_config, providers.train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                              providers.forward_step, model_provider=providers.model_provider)
+        finally:
+            log.close()
+            for owner, name, original in reversed(saved):
+                setattr(owner, name, original)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
