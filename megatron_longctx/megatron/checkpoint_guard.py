@@ -145,3 +145,16 @@ def resolve_load(load_dir: str, step: Optional[int] = None) -> tuple[int, list[s
     notes.append(f"{folder} has no {MANIFEST} (its save was interrupted): loading iteration {complete[-1]}, the "
                  "last complete checkpoint")
     return complete[-1], notes
+
+
+def set_aside_later(save_dir: str, step: int) -> list[str]:
+    """Rename the iteration folders after ``step`` (a resume into the same ``--save`` would overwrite them)."""
+    import time
+
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    notes = []
+    for later in (i for i in saved_iterations(save_dir) if i > step):
+        folder = iteration_dir(save_dir, later)
+        os.replace(folder, f"{folder}.set-aside-{stamp}")
+        notes.append(f"resuming from iteration {step}: kept the later {folder} as {folder}.set-aside-{stamp}")
+    return notes

@@ -111,6 +111,8 @@ def _wrap_train_step(original: Callable, log: StepLog) -> Callable:
         from megatron.training import get_args
 
         margs = get_args()
+        optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
+        lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses
         start = time.perf_counter()
         out = original(*args, **kwargs)
         seconds = time.perf_counter() - start
@@ -118,8 +120,6 @@ def _wrap_train_step(original: Callable, log: StepLog) -> Callable:
         if "lm loss" in loss_dict and not skipped:
             value = loss_dict["lm loss"]
             loss = float(value.item() if isinstance(value, torch.Tensor) else value)
-            optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
-            lr = float(optimizer.param_groups[0]["lr"])
             tokens = margs.global_batch_size * margs.seq_length
             log.add(margs.curr_iteration + 1, loss, None if grad_norm is None else float(grad_norm), lr, seconds,
                     tokens)
@@ -169,6 +169,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = job_settings()
     try:
         return _run(argv, settings)
+    except SystemExit as exc:  # Megatron's --exit-interval / signal handler exit: fine when the code is 0
+        if exc.code not in (0, None):
+            _fail_marker(settings)
+        raise
     except BaseException:
         _fail_marker(settings)
         raise
