@@ -20,6 +20,23 @@ device-agnostic twins wherever Megatron imported them; the modules that hard-cod
 ``torch`` whose factories place on the CPU.  Nothing happens on import or when CUDA is available, and
 everything is restored on exit.  Megatron modules imported *after* :func:`enable` are not patched:
 import Megatron first (``enable`` imports the modules it patches).
+
+Megatron-LM's training stack (``megatron.training``, what ``pretrain_gpt.py`` runs) meets these too
+(see :func:`_training_patches`):
+
+* ``validate_args`` reads ``get_device_arch_version()`` (the driver's compute capability): 0 here;
+* ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda=True``: it is called with it;
+* ``initialize`` sets up the model-parallel groups and the RNG tracker only when
+  ``torch.cuda.device_count() > 0``: that module sees one device (and ``set_device`` is a no-op);
+* ``initialize._warmup_jit_function`` warms the fused kernels on ``"cuda"``: skipped;
+* ``.cuda()`` on tensors and modules (the script's ``get_batch``, ``get_model``) returns them as they
+  are, and ``megatron.training.training`` / ``rerun_state_machine`` allocate with ``device="cuda"``;
+* ``torch.cuda.Stream()`` (the DDP wrap's initialisation stream) is a stream that never waits;
+* ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` grads: a device-agnostic twin.
+
+:func:`cpu_default_args` gives the command-line defaults a CPU process needs for Megatron-LM's scripts
+(gloo, the CUDA-only fusions off, ``--transformer-impl local`` without Transformer Engine, ...); flags
+the user gave win.
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import sys
 import threading
 import types
@@ -38,6 +56,7 @@ import torch
 _lock = threading.Lock()
 _depth = 0
 _saved: list[tuple[Any, str, Any]] = []
+_INHERITED = object()  # marks a class attribute that was inherited, not set on the class itself
 
 
 def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -59,6 +78,9 @@ def _no_device_to_synchronize(*args: Any, **kwargs: Any) -> None:
 class _NoStream:
     """Stands for ``torch.cuda.current_stream()``: on the CPU work is ordered already, so waits are no-ops
     (DDP's grad sync waits on its events and streams)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # also stands for ``torch.cuda.Stream(...)``
 
     def wait_event(self, event: Any) -> None:
         return None
@@ -125,6 +147,11 @@ _HARD_CODED_CUDA_MODULES = (
     "megatron.core.optimizer.clip_grads",  # grad-norm and zero-count accumulators
     "megatron.core.utils",  # small flags and buffers of the helpers above
 )
+# The same in Megatron-LM's training stack.
+_HARD_CODED_CUDA_TRAINING_MODULES = (
+    "megatron.training.training",  # start-time and loss-accumulator tensors
+    "megatron.core.rerun_state_machine",  # validated-result flags
+)
 
 
 def _replace_everywhere(original: Any, replacement: Any) -> list[tuple[Any, str, Any]]:
@@ -137,6 +164,92 @@ def _replace_everywhere(original: Any, replacement: Any) -> list[tuple[Any, str,
             if value is original:
                 found.append((module, attr, replacement))
     return found
+
+
+def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.cuda()`` without a GPU: the tensor stays where it is (``Module.cuda`` calls this too)."""
+    return self
+
+
+class _CudaOneDevice(types.ModuleType):
+    """``torch.cuda`` as ``megatron.training.initialize`` sees it: one device, which ``set_device`` selects."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+        self.device_count = lambda: 1
+        self.set_device = _no_device_to_synchronize
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)  # everything else: the (patched) torch.cuda
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: Any,
+                                      use_decoupled_grad: bool = False) -> None:
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its ``torch.cuda.FloatTensor`` assert:
+    scale every fp32 grad in place by ``min(1, max_norm / (total_norm + 1e-6))``."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if isinstance(clip_coeff, torch.Tensor):
+        clip_coeff = clip_coeff.clamp_max(1.0)
+    elif clip_coeff >= 1.0:
+        return
+    for grad in grads:
+        grad.detach().mul_(clip_coeff)
+
+
+def _no_device_arch() -> int:
+    """``get_device_arch_version()`` without a driver: no compute capability (0)."""
+    return 0
+
+
+def _allow_no_cuda(initialize_megatron: Callable) -> Callable:
+    @functools.wraps(initialize_megatron)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return wrapper
+
+
+def _no_jit_warmup(*args: Any, **kwargs: Any) -> None:
+    return None  # the warm-up runs the fused kernels on "cuda"; the CPU defaults turn the fusions off
+
+
+def _training_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]:
+    """What Megatron-LM's training stack (``megatron.training``) needs on a CPU process (module docstring)."""
+    try:
+        from megatron.core.optimizer import clip_grads
+        from megatron.training import arguments, initialize  # noqa: F401
+        from megatron.training import training as _training  # noqa: F401 - imports the modules patched below
+    except ImportError:  # megatron-core without megatron.training (0.16 wheel): nothing to do
+        return []
+    patches: list[tuple[Any, str, Any]] = [
+        (torch.Tensor, "cuda", _tensor_cuda),
+        (torch.cuda, "Stream", _NoStream),
+        (initialize, "_warmup_jit_function", _no_jit_warmup),
+    ]
+    patches += _replace_everywhere(initialize.initialize_megatron, _allow_no_cuda(initialize.initialize_megatron))
+    arch_checks = set()  # 0.16: megatron.core.utils; 0.19: megatron.training.utils.common_utils
+    for name in ("megatron.core.utils", "megatron.training.utils.common_utils"):
+        with contextlib.suppress(ImportError):
+            arch_checks.add(getattr(importlib.import_module(name), "get_device_arch_version", None))
+    for arch in arch_checks - {None}:
+        patches += _replace_everywhere(arch, _no_device_arch)
+    patches += _replace_everywhere(clip_grads.clip_grad_by_total_norm_fp32, _cpu_clip_grad_by_total_norm_fp32)
+    one_device_torch = types.ModuleType("torch")
+    one_device_torch.__dict__.update(cpu_torch.__dict__)
+    one_device_torch.cuda = _CudaOneDevice()
+    patches.append((initialize, "torch", one_device_torch))
+    for name in _HARD_CODED_CUDA_TRAINING_MODULES:
+        with contextlib.suppress(ImportError):
+            patches.append((importlib.import_module(name), "torch", cpu_torch))
+    return patches
 
 
 def _patches() -> list[tuple[Any, str, Any]]:
@@ -169,7 +282,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
     for name in _HARD_CODED_CUDA_MODULES:
         with contextlib.suppress(ImportError):
             patches.append((importlib.import_module(name), "torch", cpu_torch))
-    return patches
+    return patches + _training_patches(cpu_torch)
 
 
 class _SameGeneratorFilter(logging.Filter):
@@ -199,7 +312,8 @@ def enable() -> None:
         if _depth > 1:
             return
         for owner, name, replacement in _patches():
-            _saved.append((owner, name, getattr(owner, name)))
+            own = isinstance(owner, types.ModuleType) or name in vars(owner)
+            _saved.append((owner, name, getattr(owner, name) if own else _INHERITED))
             setattr(owner, name, replacement)
         logging.getLogger(_RNG_LOGGER).addFilter(_filter)
 
@@ -218,7 +332,56 @@ def disable() -> None:
         logging.getLogger(_RNG_LOGGER).removeFilter(_filter)
         while _saved:
             owner, name, original = _saved.pop()
-            setattr(owner, name, original)
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+# Megatron-LM flags a CPU process needs, each (flag tokens, why).  The flag's destination is read off
+# Megatron's parser, so a user's explicit value for the same destination (either spelling) wins.
+CPU_DEFAULT_ARGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--distributed-backend", "gloo"), "NCCL needs GPUs"),
+    (("--no-persist-layer-norm",), "Apex's persistent LayerNorm kernel is CUDA-only"),
+    (("--no-gradient-accumulation-fusion",), "the fused wgrad accumulation is a CUDA kernel"),
+    (("--no-masked-softmax-fusion",), "the fused softmax kernels are CUDA-only"),
+    (("--no-bias-gelu-fusion",), "the fused bias+GeLU is compiled for CUDA"),
+    (("--no-bias-swiglu-fusion",), "the fused bias+SwiGLU is compiled for CUDA"),
+    (("--no-bias-dropout-fusion",), "the fused bias+dropout+add is compiled for CUDA"),
+    (("--no-rope-fusion",), "the fused RoPE kernel is Transformer Engine's (CUDA)"),
+)
+TRANSFORMER_IMPL_LOCAL = ("--transformer-impl", "local")
+MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install raising OSError/RuntimeError
+        return False
+    return True
+
+
+def cpu_default_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(argv + the CPU defaults the user did not give, the defaults added)`` for a Megatron-LM script.
+
+    ``argv``: the script's arguments (without the script).  Defaults: :data:`CPU_DEFAULT_ARGS`, plus
+    ``--transformer-impl local`` when Transformer Engine is not importable.  A default is skipped when
+    ``argv`` sets the same destination already (e.g. ``--distributed-backend nccl``).  Needs
+    ``megatron.training``; returns ``argv`` unchanged when CUDA is available.
+    """
+    from megatron_longctx.megatron.args import with_defaults
+
+    if not needed():
+        return list(argv), []
+    defaults = [tokens for tokens, _ in CPU_DEFAULT_ARGS]
+    if not has_transformer_engine():
+        defaults.append(TRANSFORMER_IMPL_LOCAL)
+    argv, added = with_defaults(argv, defaults)
+    if MAX_CONNECTIONS_ENV not in os.environ:  # validate_args asks for it with TP/CP > 1 below arch 10
+        os.environ[MAX_CONNECTIONS_ENV] = "1"
+        added.append(f"{MAX_CONNECTIONS_ENV}=1")
+    return argv, added
 
 
 def is_enabled() -> bool:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+import re
+from typing import Any, Optional, Sequence
 
 from megatron_longctx.config import FEATURES, LongContextConfig, flag_name
 
@@ -57,6 +58,59 @@ def add_longctx_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def escape_help_percents(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Double the ``%`` of help strings argparse cannot format (Megatron 0.19 generates one: ``--help``
+    crashes), leaving ``%(default)s``-style fields alone; return ``parser``."""
+    for action in parser._actions:
+        if not isinstance(action.help, str) or "%" not in action.help:
+            continue
+        try:
+            action.help % dict(vars(action), prog=parser.prog)
+        except (ValueError, TypeError, KeyError):
+            action.help = re.sub(r"%(?!\()", "%%", action.help.replace("%%", "%"))
+    return parser
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's argument parser (``megatron.training``) with the ``--longctx-*`` group; ``--help`` works."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    add_megatron_arguments = getattr(add_megatron_arguments, "__longctx_wrapped__", add_megatron_arguments)
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser = add_longctx_args(add_megatron_arguments(parser))
+    return escape_help_percents(parser)
+
+
+def given_dests(argv: Sequence[str], parser: argparse.ArgumentParser) -> set[str]:
+    """Destinations that ``argv`` sets explicitly (``--flag value``, ``--flag=value``, ``--no-flag``)."""
+    dests = set()
+    for token in argv:
+        if token.startswith("--"):
+            action = parser._option_string_actions.get(token.split("=", 1)[0])
+            if action is not None:
+                dests.add(action.dest)
+    return dests
+
+
+def with_defaults(argv: Sequence[str], defaults: Sequence[Sequence[str]],
+                  parser: Optional[argparse.ArgumentParser] = None) -> tuple[list[str], list[str]]:
+    """``(argv + each default whose destination argv does not set, the defaults added as text)``.
+
+    ``defaults``: flag tokens, e.g. ``("--distributed-backend", "gloo")``; a flag this Megatron does not
+    know is skipped.  ``parser``: Megatron's (default :func:`megatron_parser`)."""
+    parser = megatron_parser() if parser is None else parser
+    given = given_dests(argv, parser)
+    out, added = list(argv), []
+    for tokens in defaults:
+        action = parser._option_string_actions.get(tokens[0])
+        if action is None or action.dest in given:
+            continue
+        out += list(tokens)
+        given.add(action.dest)
+        added.append(" ".join(tokens))
+    return out, added
+
+
 def config_from_args(args: argparse.Namespace) -> LongContextConfig:
     """The validated config of a namespace parsed with :func:`add_longctx_args` (``ValueError`` names the flag)."""
     values: dict[str, Any] = {}
@@ -71,3 +125,37 @@ def config_from_args(args: argparse.Namespace) -> LongContextConfig:
                 value = tuple(item for v in value for item in v.replace(",", " ").split())
             values[f.name] = value
     return LongContextConfig.from_flat(values)
+
+
+def _check_kernel_backend(name: Optional[str]) -> None:
+    """``--longctx-cp-kernel-backend`` names a backend that exists and runs on this machine's device."""
+    if name is None:
+        return
+    import torch
+
+    from megatron_longctx.kernels.select import BACKENDS
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    usable = [n for n, b in BACKENDS.items() if b.available(device) is None]
+    flag = flag_name("cp_kernel_backend")
+    if name not in BACKENDS:
+        raise ValueError(f"{flag}: unknown backend {name!r}; choose auto or one of {', '.join(sorted(BACKENDS))} "
+                         f"(usable here: {', '.join(usable)})")
+    reason = BACKENDS[name].available(device)
+    if reason is not None:
+        raise ValueError(f"{flag}: {name!r} cannot run on this machine ({reason}); choose auto or one of "
+                         f"{', '.join(usable)}")
+
+
+def check_after_parsing(args: argparse.Namespace) -> LongContextConfig:
+    """Validate the ``--longctx-*`` values and their combination with Megatron's flags, right after parsing
+    (before ``torch.distributed`` starts); ``ValueError`` names the flag and the fix.  Returns the config."""
+    cfg = config_from_args(args)
+    _check_kernel_backend(cfg.cp.backend)
+    cp_size = getattr(args, "context_parallel_size", 1) or 1
+    dropout = getattr(args, "attention_dropout", 0.0) or 0.0
+    if cp_size > 1 and dropout > 0:
+        raise ValueError(f"--attention-dropout: {dropout} is not supported with context parallelism "
+                         f"(--context-parallel-size {cp_size}) by megatron-longctx's attention; "
+                         "set --attention-dropout 0")
+    return cfg

@@ -21,12 +21,13 @@ Users who prefer editing ``pretrain_gpt.py`` find the equivalent few-line diffs 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
+import json
 import os
-import runpy
 import sys
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -37,6 +38,8 @@ from megatron_longctx.config import LongContextConfig
 SUPPORTED_MEGATRON = ((0, 16), (0, 17), (0, 18), (0, 19))
 # Opt-in for untested versions (at the user's risk).
 ALLOW_UNTESTED_ENV = "LONGCTX_ALLOW_UNTESTED_MEGATRON"
+# A file to which the launcher appends each iteration's losses, at full precision, as JSON lines.
+LOSS_LOG_ENV = "LONGCTX_LOSS_LOG"
 
 # (module, class, name of the spec parameter): the spec is the parameter right after ``config``.
 _MODEL_CLASSES = (
@@ -91,12 +94,25 @@ def current_config() -> LongContextConfig:
 
 
 def _wrap_add_megatron_arguments(original: Callable) -> Callable:
-    from megatron_longctx.megatron.args import add_longctx_args
+    from megatron_longctx.megatron.args import add_longctx_args, check_after_parsing, escape_help_percents
 
     @functools.wraps(original)
     def add_megatron_arguments(parser, *args, **kwargs):
-        parser = original(parser, *args, **kwargs)
-        return add_longctx_args(parser)
+        parser = escape_help_percents(add_longctx_args(original(parser, *args, **kwargs)))
+        parse_known_args = parser.parse_known_args
+
+        def parse_known_and_check(*a, **kw):  # parse_args goes through here too
+            namespace, rest = parse_known_args(*a, **kw)
+            try:
+                check_after_parsing(namespace)
+            except ValueError as e:  # before torch.distributed starts: one line, the flag first
+                print(f"megatron_longctx.launch: error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+            warn_if_mixed_trees()
+            return namespace, rest
+
+        parser.parse_known_args = parse_known_and_check
+        return parser
 
     add_megatron_arguments.__longctx_wrapped__ = original
     return add_megatron_arguments
@@ -127,9 +143,52 @@ def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
     return __init__
 
 
+def _skip_built_helpers(original: Callable) -> Callable:
+    """``compile_helpers`` (``make -C megatron/core/datasets`` on rank 0 at start-up) only when the compiled
+    ``helpers_cpp`` does not import: the megatron-core wheel ships it, without the Makefile."""
+
+    @functools.wraps(original)
+    def compile_helpers(*args, **kwargs):
+        try:
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+        except ImportError:
+            return original(*args, **kwargs)
+        return None
+
+    return compile_helpers
+
+
+def _log_losses(original: Callable) -> Callable:
+    """``training_log`` that also appends this iteration's losses at full precision to the JSON-lines file
+    named by ``$LONGCTX_LOSS_LOG`` (on the last rank, the one Megatron logs losses on)."""
+
+    @functools.wraps(original)
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
+        path = os.environ.get(LOSS_LOG_ENV)
+        if path and loss_dict and _is_last_rank():
+            losses = {key: float(value) for key, value in loss_dict.items()}
+            with open(path, "a") as f:
+                f.write(json.dumps({"iteration": int(iteration), **losses}) + "\n")
+        return original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
+
+    return training_log
+
+
+def _is_last_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
 def _targets() -> list[tuple[Any, str, Callable]]:
     """(owner, attribute, replacement) for every place :func:`install` wraps."""
     targets = []
+    with contextlib.suppress(ImportError):
+        datasets_utils = importlib.import_module("megatron.core.datasets.utils")
+        targets.append((datasets_utils, "compile_helpers", _skip_built_helpers(datasets_utils.compile_helpers)))
+    with contextlib.suppress(ImportError):
+        training = importlib.import_module("megatron.training.training")
+        targets.append((training, "training_log", _log_losses(training.training_log)))
     try:
         arguments = importlib.import_module("megatron.training.arguments")
     except ImportError:
@@ -171,18 +230,116 @@ def is_installed() -> bool:
     return bool(_state.saved)
 
 
+
+
+def megatron_trees() -> dict[str, list[str]]:
+    """``{folder holding megatron/: [loaded megatron.* subpackages from it]}``."""
+    trees: dict[str, list[str]] = {}
+    for name, module in list(sys.modules.items()):
+        if name.count(".") != 1 or not name.startswith("megatron.") or module is None:
+            continue
+        path = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", [])), None)
+        if path:
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path)))
+                                   if path.endswith("__init__.py") else os.path.dirname(os.path.abspath(path)))
+            trees.setdefault(root, []).append(name)
+    return trees
+
+
+_warned_trees: set = set()
+
+
+def warn_if_mixed_trees() -> None:
+    """Warn once when the loaded ``megatron.*`` packages come from more than one folder (``megatron`` is a
+    namespace package: a checkout beside the script and an installed wheel can both contribute)."""
+    trees = megatron_trees()
+    key = tuple(sorted(trees))
+    if len(trees) > 1 and key not in _warned_trees:
+        _warned_trees.add(key)
+        where = "; ".join(f"{', '.join(sorted(mods))} from {root}" for root, mods in sorted(trees.items()))
+        print(f"megatron_longctx.launch: warning: Megatron is loaded from {len(trees)} trees ({where}); run from "
+              "a folder with one Megatron tree (a Megatron-LM checkout, or none to use the installed "
+              "megatron-core)", file=sys.stderr, flush=True)
+
+
+def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(argv + the defaults the launcher sets, those defaults as text)``; flags given in ``argv`` win.
+
+    * without CUDA, :func:`megatron_longctx.cpu_compat.cpu_default_args` (gloo, CUDA-only fusions off, ...);
+    * ``--eval-interval 1000`` when this Megatron has no default for it (0.19: else ``train_iters // None``);
+    * with ``--context-parallel-size`` > 1 (our attention serves CP): ``--attention-dropout 0`` (Megatron's
+      default 0.1 is not supported under CP; an explicit value is checked after parsing) and
+      ``--no-create-attention-mask-in-dataloader`` (a dense ``[s, s]`` mask per sample that our
+      attention does not read: 4 TiB of float32 at 1M tokens).
+    """
+    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron.args import megatron_parser, with_defaults
+
+    try:
+        parser = megatron_parser()
+    except ImportError:  # no megatron.training (the 0.16 wheel without a Megatron-LM checkout): nothing to set
+        return list(argv), []
+    argv, added = cpu_compat.cpu_default_args(list(argv))
+    defaults: list[tuple[str, ...]] = []
+    eval_interval = parser._option_string_actions.get("--eval-interval")
+    if eval_interval is not None and eval_interval.default is None:
+        defaults.append(("--eval-interval", "1000"))
+    namespace, _ = parser.parse_known_args(argv)
+    if getattr(namespace, "context_parallel_size", 1) > 1:
+        defaults += [("--attention-dropout", "0"), ("--no-create-attention-mask-in-dataloader",)]
+    argv, more = with_defaults(argv, defaults, parser)
+    return argv, added + more
+
+
+USAGE = "usage: python -m megatron_longctx.launch <script.py> [Megatron-LM args] [--longctx-* args]"
+
+
+def _print_help() -> None:
+    print(USAGE)
+    print("\nRuns a Megatron-LM training script unmodified with megatron-longctx installed. Without CUDA it "
+          "enters megatron_longctx.cpu_compat and sets the CPU defaults (gloo, CUDA-only fusions off); "
+          "flags given explicitly win. Megatron-LM's arguments, with the megatron-longctx group:\n")
+    try:
+        from megatron_longctx.megatron.args import megatron_parser
+
+        parser = megatron_parser()
+    except ImportError:  # megatron-core without megatron.training: our group alone
+        import argparse
+
+        from megatron_longctx.megatron.args import add_longctx_args
+
+        parser = add_longctx_args(argparse.ArgumentParser(prog="megatron_longctx.launch", add_help=False))
+    parser.prog = "megatron_longctx.launch <script.py>"
+    parser.print_help()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m megatron_longctx.launch <script.py> [args...]``: run ``script.py`` as ``__main__``."""
+    """``python -m megatron_longctx.launch <script.py> [args...]``: run ``script.py`` as ``__main__``.
+
+    The folder of ``script.py`` goes first on ``sys.path`` before Megatron is imported (as ``python
+    script.py`` would do), so a Megatron-LM checkout beside the script is the one Megatron tree used; from a
+    folder without ``megatron/`` the installed megatron-core is (:func:`warn_if_mixed_trees` warns otherwise).
+    """
+    import runpy
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip().splitlines()[2])
+        _print_help()
         raise SystemExit(0 if argv else 2)
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_longctx.launch: no such script: {argv[0]}")
-    install()
-    sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))  # the script imports its neighbours (gpt_builders, ...)
+    install()
+    script_args = argv[1:]
+    if not {"-h", "--help"} & set(script_args):
+        script_args, added = default_args(script_args)
+        if added and os.environ.get("RANK", "0") == "0":
+            print(f"megatron_longctx.launch: defaults set (explicit flags win): {', '.join(added)}", flush=True)
+    from megatron_longctx import cpu_compat
+
+    cpu_compat.enable()  # a no-op with CUDA; undone when the process ends
+    sys.argv = [script, *script_args]
     runpy.run_path(script, run_name="__main__")
 
 

@@ -61,7 +61,7 @@ def test_flags_appear_in_megatrons_parser(monkeypatch):
     from megatron.training import arguments
 
     launch.install()
-    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--context-parallel-size", "2",
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--context-parallel-size", "2", "--attention-dropout", "0",
                                      "--longctx-cp-algorithm", "ring", "--longctx-tiled-mlp-tiles", "2"])
     args = arguments.parse_args()
     assert args.context_parallel_size == 2
@@ -162,9 +162,14 @@ def test_launcher_runs_an_unmodified_script(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(result.read_text())
     assert out["installed"] is True and out["main"] == "__main__"
-    assert out["argv"] == [str(result), "--longctx-cp-algorithm", "ring"]
+    assert out["argv"][:3] == [str(result), "--longctx-cp-algorithm", "ring"]  # then the defaults it set
     if _has_training():
         assert out["cp_algorithm"] == "ring"
+        from megatron_longctx import cpu_compat
+
+        if cpu_compat.needed():
+            assert "--distributed-backend" in out["argv"][3:] and "gloo" in out["argv"][3:]
+            assert "defaults set (explicit flags win): --distributed-backend gloo" in proc.stdout
 
 
 def test_launcher_usage_errors(tmp_path):
