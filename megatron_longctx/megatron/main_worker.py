@@ -146,13 +146,28 @@ def _wrap_save_checkpoint(original: Callable) -> Callable:
 
 
 def _install_hooks(log: StepLog) -> list[tuple[Any, str, Any]]:
-    from megatron.training import training
+    from megatron.core.datasets import utils as datasets_utils
+    from megatron.training import arguments, checkpointing, training
 
+    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron.launch import _skip_built_helpers
+
+    targets = [(training, "train_step", lambda f: _wrap_train_step(f, log)),
+               (training, "save_checkpoint", _wrap_save_checkpoint),
+               (datasets_utils, "compile_helpers", _skip_built_helpers),  # the wheel ships helpers_cpp, no Makefile
+               (arguments, "_print_args", lambda f: _quiet_print_args)]  # 900 lines of argument dump
+    if cpu_compat.needed():  # read_metadata's tracker all-reduce allocates on "cuda" (not in cpu_compat's list)
+        targets.append((checkpointing, "torch", lambda t: cpu_compat._cpu_torch()))
     saved = []
-    for name, wrap in (("train_step", lambda f: _wrap_train_step(f, log)), ("save_checkpoint", _wrap_save_checkpoint)):
-        saved.append((training, name, getattr(training, name)))
-        setattr(training, name, wrap(getattr(training, name)))
+    for owner, name, wrap in targets:
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrap(getattr(owner, name)))
     return saved
+
+
+def _quiet_print_args(title: str, args: Any, *rest: Any, **kwargs: Any) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[megatron] {title}: {len(vars(args))} set (the job's flags are in its command line)", flush=True)
 
 
 def _fail_marker(settings: dict[str, Any]) -> None:
@@ -190,21 +205,20 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
     from megatron_longctx import cpu_compat
     from megatron_longctx.megatron import providers
     from megatron_longctx.megatron.args import add_longctx_args
-    from megatron_longctx.megatron.training_cpu import cpu_training
 
     sys.argv = [sys.argv[0], *argv]
     log = StepLog(settings)
-    with cpu_training():
-        args = parse_and_validate_args(extra_args_provider=add_longctx_args)
-        full_config = pretrain_cfg_container_from_args(args)  # no model config: our model_provider builds it
-        saved = _install_hooks(log)
-        try:
+    saved = _install_hooks(log)
+    try:
+        with cpu_compat.enabled():
+            args = parse_and_validate_args(extra_args_provider=add_longctx_args)
+            full_config = pretrain_cfg_container_from_args(args)  # no model config: our model_provider builds it
             training.pretrain(full_config, providers.train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
                               providers.forward_step, model_provider=providers.model_provider)
-        finally:
-            log.close()
-            for owner, name, original in reversed(saved):
-                setattr(owner, name, original)
+    finally:
+        log.close()
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
     return 0
 
 
