@@ -95,7 +95,7 @@ class StepLog:
         mem = max(row["peak_mem_bytes_per_rank"]) / 2**20
         text = f"loss {loss:.4f}  tok/s {row['tokens_per_s']:.0f}  mem/rank {mem:.0f} MiB"
         if self.bar is not None:
-            self.bar.set_postfix_str(text)
+            self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)
         else:
             print(f"[{self.name}] step {step}/{self.total}  {text}", flush=True)

@@ -126,7 +126,7 @@ def _resume_check(job: job_args.Job, own: argparse.Namespace, plugin_rows: list[
         return None
     loaded, _ = guard.resolve_load(job.save, step)
     stop = loaded + own.resume_check_steps
-    rows = _phase(job, own, "resume", job.resume_argv(loaded, stop), job.train_iters)
+    rows = _phase(job, own, "resume", job.resume_argv(loaded, stop), stop)
     original = {r["step"]: r for r in plugin_rows}
     pairs = [(r, original[r["step"]]) for r in rows if r["step"] in original]
     keys = ("loss", "grad_norm", "lr")
