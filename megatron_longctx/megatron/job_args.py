@@ -124,7 +124,7 @@ class Job:
     load: Optional[str]
     ckpt_step: Optional[int]
     save_interval: int
-    base: list[str]
+    own: argparse.Namespace
     load_step: Optional[int] = None
     data_path: str = ""
 
@@ -138,7 +138,7 @@ class Job:
         if values.exit_interval is not None:
             raise ValueError("--exit-interval: the main job stops at --train-iters; lower --train-iters instead")
         return cls(user_argv=_strip(megatron_argv, _MANAGED), values=values, save=save, load=values.load,
-                   ckpt_step=values.ckpt_step, save_interval=interval, base=_platform_defaults(own))
+                   ckpt_step=values.ckpt_step, save_interval=interval, own=own)
 
     # ---------------------------------------------------------------------------------- values
     @property
@@ -164,7 +164,7 @@ class Job:
 
     # ---------------------------------------------------------------------------------- phases
     def _common(self) -> list[str]:
-        return [*DEFAULTS, *self.base, "--data-path", self.data_path, *self.user_argv]
+        return [*DEFAULTS, *_platform_defaults(self.own), "--data-path", self.data_path, *self.user_argv]
 
     def plugin_argv(self) -> list[str]:
         argv = [*self._common(), "--save", self.save, "--save-interval", str(self.save_interval)]

@@ -62,16 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def megatron_training_available() -> Optional[str]:
-    """``None`` when ``megatron.training`` can run the job, else the reason it cannot."""
+    """``None`` when ``megatron.training`` can run the job, else the reason it cannot (imports nothing heavy)."""
+    import importlib.metadata
+
     try:
-        from megatron.core.package_info import __version__
-    except ImportError:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if importlib.util.find_spec("megatron") is None:
         return "megatron-core is not installed: pip install 'megatron-core>=0.19'"
     if importlib.util.find_spec("megatron.training") is None:
         return (f"the main job runs Megatron-LM's training loop (megatron.training), which the megatron-core "
-                f"{__version__} wheel does not ship: install megatron-core >= 0.19 (e.g. the pinned 0.19.2: "
-                "pip install -c constraints.txt megatron-core), or run Megatron-LM's own pretrain_gpt.py with "
-                "python -m megatron_longctx.launch")
+                f"{version or '(unknown version)'} install does not ship: install megatron-core >= 0.19 (the "
+                "pinned 0.19.2: pip install -c constraints.txt megatron-core), or run Megatron-LM's own "
+                "pretrain_gpt.py from a checkout with python -m megatron_longctx.launch")
     return None
 
 
@@ -109,7 +113,8 @@ def _phase(job: job_args.Job, own: argparse.Namespace, name: str, argv: list[str
     rc, reports = run_phase(argv, own.nproc_per_node, settings, env)
     if rc != 0:
         detail = "".join(f"\n  {r.strip().splitlines()[-1]}" for r in reports if r.strip())
-        raise PhaseFailed(f"{name}: torchrun exited {rc}{detail}", rc)
+        what = f"{len(reports)} rank(s) failed, every rank stopped" if reports else f"torchrun exited {rc}"
+        raise PhaseFailed(f"{name}: {what}{detail}", rc)
     return _read_rows(metrics, name)
 
 

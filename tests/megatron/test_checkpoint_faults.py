@@ -74,25 +74,24 @@ def test_existing_checkpoint_is_not_touched_by_a_new_run(trained, tmp_path):
 
 
 def test_rank_killed_during_save_leaves_the_previous_checkpoint_loadable(trained, tmp_path):
-    ckpt = _copy(trained, tmp_path)
-    out = str(tmp_path / "run")
-    # Resume from 6 and save again at 9: stop rank 1 as soon as iteration 9's folder appears, then kill it.
-    proc = main_job.start(out, trained["data"], "--train-iters", "12", "--save-interval", "3", "--load", ckpt,
-                          "--save", ckpt, "--no-baseline", "--no-resume-check")
-    folder = guard.iteration_dir(ckpt, 9)
-    main_job.wait_for(lambda: os.path.isdir(folder), 300, "the save of iteration 9", proc, poll=0.002)
+    out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    job = ("--train-iters", "9", "--save-interval", "3", "--save", ckpt, "--no-baseline", "--no-resume-check")
+    # Stop rank 1 as soon as iteration 6's folder appears (iteration 3 is saved), then kill it.
+    proc = main_job.start(out, trained["data"], *job)
+    folder = guard.iteration_dir(ckpt, 6)
+    main_job.wait_for(lambda: os.path.isdir(folder), 300, "the save of iteration 6", proc, poll=0.002)
     rank1 = main_job.rank_pid(proc.pid, 1)
     os.kill(rank1, signal.SIGSTOP)
-    assert guard.tracker_iteration(ckpt) == 6 and not os.path.exists(os.path.join(folder, guard.MANIFEST))
+    assert guard.tracker_iteration(ckpt) == 3 and not os.path.exists(os.path.join(folder, guard.MANIFEST))
     os.kill(rank1, signal.SIGKILL)
     proc.wait(timeout=120)
     assert proc.returncode != 0
-    assert guard.tracker_iteration(ckpt) == 6 and not os.path.exists(os.path.join(folder, guard.MANIFEST))
-    assert guard.resolve_load(ckpt) == (6, [])
-    # The same command resumes from 6 and finishes; the interrupted folder was kept aside, not reused.
-    rerun = main_job.run(out, trained["data"], "--train-iters", "9", "--save-interval", "3", "--load", ckpt,
-                         "--save", ckpt, "--no-baseline", "--no-resume-check")
+    assert guard.tracker_iteration(ckpt) == 3 and not os.path.exists(os.path.join(folder, guard.MANIFEST))
+    assert guard.resolve_load(ckpt) == (3, [])
+    # The same job with --load resumes from 3 and finishes; the interrupted folder is kept aside, not reused.
+    rerun = main_job.run(out, trained["data"], *job, "--load", ckpt)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert [r["step"] for r in main_job.metrics(out, "plugin-cp2")][-3:] == [7, 8, 9]
-    assert guard.tracker_iteration(ckpt) == 9 and guard.verify(guard.iteration_dir(ckpt, 9))
-    assert any(name.startswith("iter_0000009.set-aside-") for name in os.listdir(ckpt))
+    assert [r["step"] for r in main_job.metrics(out, "plugin-cp2")][-6:] == [4, 5, 6, 7, 8, 9]
+    assert guard.saved_iterations(ckpt) == [3, 6, 9] and guard.tracker_iteration(ckpt) == 9
+    assert all(guard.verify(guard.iteration_dir(ckpt, it)) for it in (3, 6, 9))
+    assert any(name.startswith("iter_0000006.set-aside-") for name in os.listdir(ckpt))

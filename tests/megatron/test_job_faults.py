@@ -28,7 +28,7 @@ def test_stalled_rank_fails_the_job_within_the_timeout(tmp_path):
     elapsed = time.monotonic() - stalled
     output = proc.stdout.read()
     assert rc != 0 and elapsed < 60, (rc, elapsed, output[-3000:])
-    assert "torchrun exited" in output and ("Timed out" in output or "timeout" in output.lower()), output[-3000:]
+    assert "rank(s) failed, every rank stopped" in output and ("Timed out" in output or "timeout" in output.lower()), output[-3000:]
     assert not [p for p in family if main_job.alive(p)]
     assert os.listdir(tmp_path / "tmp") == []
 
