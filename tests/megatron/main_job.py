@@ -43,8 +43,18 @@ def run(out: str, data: str, *extra: str, timeout: float = 600) -> subprocess.Co
 
 
 def start(out: str, data: str, *extra: str, tmp: str | None = None) -> subprocess.Popen:
-    return subprocess.Popen(run_argv(out, data, *extra), env=env(tmp), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """The run in the background, its output in ``OUT.log`` (a pipe nobody reads would fill and block it)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    log = open(os.path.abspath(out) + ".log", "w")
+    proc = subprocess.Popen(run_argv(out, data, *extra), env=env(tmp), stdout=log, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    proc.log_path = log.name
+    log.close()
+    return proc
+
+
+def output(proc: subprocess.Popen) -> str:
+    return open(proc.log_path).read()
 
 
 def metrics(out: str, name: str | None = None) -> list[dict]:
@@ -65,7 +75,7 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{proc.stdout.read()[-4000:]}")
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{output(proc)[-4000:]}")
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
@@ -110,4 +120,4 @@ def rank_pid(run_pid: int, rank: int) -> int:
         if "megatron_longctx.megatron.main_worker" in cmdline and "torch.distributed.run" not in cmdline \
                 and f"RANK={rank}" in environ:
             return pid
-    return 0
+    raise AssertionError(f"no rank {rank} under process {run_pid}")

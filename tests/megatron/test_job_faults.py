@@ -26,7 +26,7 @@ def test_stalled_rank_fails_the_job_within_the_timeout(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     elapsed = time.monotonic() - stalled
-    output = proc.stdout.read()
+    output = main_job.output(proc)
     assert rc != 0 and elapsed < 60, (rc, elapsed, output[-3000:])
     assert "rank(s) failed, every rank stopped" in output and ("Timed out" in output or "timeout" in output.lower()), output[-3000:]
     assert not [p for p in family if main_job.alive(p)]
@@ -46,6 +46,6 @@ def test_sigterm_to_run_stops_every_process_and_cleans_up(tmp_path, signum):
     sent = time.monotonic()
     os.kill(proc.pid, signum)
     rc = proc.wait(timeout=60)
-    assert rc == 128 + signum and time.monotonic() - sent < 30, (rc, proc.stdout.read()[-2000:])
+    assert rc == 128 + signum and time.monotonic() - sent < 30, (rc, main_job.output(proc)[-2000:])
     assert not [p for p in family if main_job.alive(p)]
     assert os.listdir(tmp_path / "tmp") == []
