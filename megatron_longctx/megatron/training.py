@@ -1,17 +1,15 @@
-"""A small training engine on Megatron-Core: GPTModel, Megatron's DDP and optimizer, dist_checkpointing.
+"""A small training engine on Megatron-Core for the benchmark: GPTModel, Megatron's DDP and optimizer.
 
-Megatron-LM's ``megatron.training`` asserts CUDA in ``initialize_megatron``, so the main job and the
-benchmark drive Megatron-Core directly: ``parallel_state`` for the groups, ``GPTModel`` from a layer spec
+The benchmark measures inside one process, so it drives Megatron-Core directly: ``parallel_state`` for the groups, ``GPTModel`` from a layer spec
 (Megatron's local spec, or the same spec through :func:`megatron_longctx.apply_to_spec`),
 ``DistributedDataParallel`` (grad reduction over the ``dp_cp`` group),
-``get_forward_backward_func()`` (micro-batches), ``get_megatron_optimizer`` and
-``dist_checkpointing`` (``torch_dist``).  On a CPU-only process everything runs under
-:func:`megatron_longctx.cpu_compat.enabled`.
+``get_forward_backward_func()`` (micro-batches) and ``get_megatron_optimizer``, without checkpoints
+(the main job, :mod:`megatron_longctx.megatron.pretrain`, runs Megatron-LM's own training loop and its
+checkpoints).  On a CPU-only process everything runs under :func:`megatron_longctx.cpu_compat.enabled`.
 
 Should one of those Megatron paths still fail on a CPU-only process (a Megatron version that allocates
 on ``"cuda"`` somewhere cpu_compat does not know), the engine says so in :attr:`Trainer.fallbacks` and
-uses a plain equivalent: ``torch.optim.AdamW`` on DDP's ``main_grad``, a manual grad all-reduce, or one
-``torch.save`` file per rank.  The run's summary lists every fallback taken; with the pinned versions
+uses a plain equivalent: ``torch.optim.AdamW`` on DDP's ``main_grad`` or a manual grad all-reduce.  The run's summary lists every fallback taken; with the pinned versions
 there are none.
 
 Loss convention (Megatron's legacy 2-tuple ``loss_func``): each rank returns its masked token-loss sum
@@ -373,53 +371,6 @@ class Trainer:
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         return float(grad_norm if grad_norm is not None else math.nan)
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, directory: str, step: int) -> str:
-        """Save model + optimizer + ``step`` with Megatron's dist_checkpointing (fallback: one file per rank)."""
-        from megatron.core import dist_checkpointing
-
-        os.makedirs(directory, exist_ok=True)
-        dist.barrier()
-        if "checkpoint" not in self.fallbacks and isinstance(self.optimizer, _PlainAdamW):
-            self.fallbacks["checkpoint"] = "torch.save per rank (the CPU optimizer fallback has no sharded state)"
-        elif "checkpoint" not in self.fallbacks and not self._cuda_sync_usable():
-            self.fallbacks["checkpoint"] = ("torch.save per rank (dist_checkpointing's writer calls "
-                                            "torch.cuda.synchronize(), unusable here outside cpu_compat.enabled())")
-        if "checkpoint" in self.fallbacks:
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step},
-                       os.path.join(directory, f"rank{dist.get_rank()}.pt"))
-        else:
-            dist_checkpointing.save(self._sharded_state_dict(step), directory)
-        dist.barrier()
-        return directory
-
-    def load(self, directory: str) -> int:
-        """Load a checkpoint written by :meth:`save`; returns the step it was taken after."""
-        from megatron.core import dist_checkpointing
-
-        per_rank = os.path.join(directory, f"rank{dist.get_rank()}.pt")
-        if os.path.exists(per_rank):
-            state = torch.load(per_rank, weights_only=False)
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            return int(state["step"])
-        state = dist_checkpointing.load(self._sharded_state_dict(0), directory)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        return int(state["step"])
-
-    def _sharded_state_dict(self, step: int) -> dict[str, Any]:
-        model_sd = self.model.sharded_state_dict()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd), "step": step}
-
-    @staticmethod
-    def _cuda_sync_usable() -> bool:
-        try:
-            torch.cuda.synchronize()
-            return True
-        except (RuntimeError, AssertionError):
-            return False
 
     def parameter_checksum(self) -> float:
         """Sum of |w| over this rank's parameters (equal inits across layouts give equal sums)."""
