@@ -9,7 +9,7 @@ ends the whole group (``SIGTERM``, a short grace, then ``SIGKILL``) when
   remaining ranks are ended after :data:`FAILURE_GRACE_S` instead of torchrun's own 30 s grace, which a
   stopped rank never answers.
 
-The temporary folder is removed on every way out.
+The phase's temporary folder (also ``TMPDIR`` of torchrun and the ranks) is removed on every way out.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def run_phase(worker_argv: list[str], nproc: int, settings: dict[str, Any],
            f"--master-port={_free_port()}", "-m", WORKER_MODULE, *worker_argv]
     child_env = dict(os.environ, **(env or {}))
     child_env["LONGCTX_JOB"] = json.dumps(settings)
+    child_env["TMPDIR"] = tmp  # torchrun's and the ranks' temporary files go where they are removed
     child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     child_env.setdefault("PYTHONWARNINGS", "ignore")
     child_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it for CP > 1 on GPUs

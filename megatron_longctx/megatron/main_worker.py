@@ -6,13 +6,18 @@ Started by :mod:`megatron_longctx.megatron.pretrain` under ``torchrun``::
 
 The run-level settings that are not Megatron flags (which phase this is, where the per-step metrics
 go, whether to draw a progress bar, where to leave a failure marker) come in the JSON environment
-variable :data:`JOB_ENV`.  Two hooks are put around Megatron's own functions for the duration of the
+variable :data:`JOB_ENV`.  Hooks are put around Megatron's own functions for the duration of the
 run, and nothing else is changed:
 
 * ``train_step``: each finished step's loss (Megatron's ``lm loss``, reduced over ``dp_cp``), grad norm,
-  learning rate, time and peak memory per rank go to ``metrics.jsonl`` and the progress bar;
+  learning rate, time and memory per rank (CUDA peak; on CPU the RSS added since start, read at the end
+  of the step) go to ``metrics.jsonl`` and the progress bar;
+* ``update_pg_timeout``: the after-init timeout reaches every process group (the plugin's too);
 * ``save_checkpoint``: once Megatron has written an iteration folder and its tracker file, the
-  integrity manifest of that folder is written (:mod:`megatron_longctx.megatron.checkpoint_guard`).
+  integrity manifest of that folder is written (:mod:`megatron_longctx.megatron.checkpoint_guard`);
+* ``compile_helpers`` skipped when the wheel's compiled ``helpers_cpp`` imports, ``_print_args``
+  shortened to one line, and (CPU only) ``megatron.training.checkpointing``'s ``device="cuda"`` tracker
+  read placed on the CPU.
 """
 
 from __future__ import annotations
@@ -52,7 +57,6 @@ class StepLog:
         self.bar: Any = None
         self.started = False
         self.base_rss = rss_bytes()
-        self.peak_rss = 0
 
     def _rank0(self) -> bool:
         return dist.get_rank() == 0
@@ -73,7 +77,7 @@ class StepLog:
             local = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         else:
-            local = max(self.peak_rss, rss_bytes()) - self.base_rss
+            local = rss_bytes() - self.base_rss
         t = torch.zeros(dist.get_world_size(), dtype=torch.int64,
                         device="cuda" if torch.cuda.is_available() else "cpu")
         t[dist.get_rank()] = local  # [world], one slot per rank
@@ -155,7 +159,8 @@ def _install_hooks(log: StepLog) -> list[tuple[Any, str, Any]]:
     targets = [(training, "train_step", lambda f: _wrap_train_step(f, log)),
                (training, "save_checkpoint", _wrap_save_checkpoint),
                (datasets_utils, "compile_helpers", _skip_built_helpers),  # the wheel ships helpers_cpp, no Makefile
-               (arguments, "_print_args", lambda f: _quiet_print_args)]  # 900 lines of argument dump
+               (arguments, "_print_args", lambda f: _quiet_print_args),
+               (training, "update_pg_timeout", _wrap_update_pg_timeout)]  # 900 lines of argument dump
     if cpu_compat.needed():  # read_metadata's tracker all-reduce allocates on "cuda" (not in cpu_compat's list)
         targets.append((checkpointing, "torch", lambda t: cpu_compat._cpu_torch()))
     saved = []
@@ -163,6 +168,23 @@ def _install_hooks(log: StepLog) -> list[tuple[Any, str, Any]]:
         saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, wrap(getattr(owner, name)))
     return saved
+
+
+def _wrap_update_pg_timeout(original: Callable) -> Callable:
+    """Megatron's ``--distributed-timeout-seconds-after-init`` for every live group, not only Megatron's list:
+    the plugin's attention groups too (a stuck peer there must fail the job as soon as one in DDP would)."""
+
+    @functools.wraps(original)
+    def update_pg_timeout(timeout: Any, pg: Any = None) -> Any:
+        out = original(timeout, pg)
+        if pg is None:
+            from torch.distributed import distributed_c10d
+
+            for group in list(distributed_c10d._world.pg_map):
+                distributed_c10d._set_pg_timeout(timeout, group)
+        return out
+
+    return update_pg_timeout
 
 
 def _quiet_print_args(title: str, args: Any, *rest: Any, **kwargs: Any) -> None:
