@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -109,17 +110,57 @@ class StepLog:
             self.bar.close()
 
 
-def _wrap_train_step(original: Callable, log: StepLog) -> Callable:
+class StallWatchdog:
+    """Ends this rank when no step finishes within ``--distributed-timeout-seconds-after-init``.
+
+    Megatron applies that timeout to its groups with ``set_timeout``, which gloo's point-to-point sends
+    and receives (the CP ring) do not honour: they keep the creation-time ``--distributed-timeout-minutes``.
+    This thread holds the same bound per step (and per checkpoint save) on every rank, so a stuck peer
+    fails the job within the time the user set.
+    """
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self.seconds: Optional[float] = None
+        self.last = time.monotonic()
+        self.thread: Optional[threading.Thread] = None
+
+    def beat(self, seconds: Optional[float]) -> None:
+        self.last = time.monotonic()
+        if seconds is not None and self.thread is None:
+            self.seconds = float(seconds)
+            self.thread = threading.Thread(target=self._watch, daemon=True)
+            self.thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            idle = time.monotonic() - self.last
+            if self.seconds is not None and idle > self.seconds:
+                rank = os.environ.get("RANK", "0")
+                message = (f"rank {rank}: no step finished for {idle:.0f} s (--distributed-timeout-seconds-after-init "
+                           f"{self.seconds:.0f}): a rank is stuck or too slow; timeout")
+                print(message, file=sys.stderr, flush=True)
+                _fail_marker(self.settings, message)
+                os._exit(EXIT_STALLED)
+
+
+EXIT_STALLED = 3
+
+
+def _wrap_train_step(original: Callable, log: StepLog, watchdog: StallWatchdog) -> Callable:
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
 
         margs = get_args()
+        watchdog.beat(None)
         optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
         lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses
         start = time.perf_counter()
         out = original(*args, **kwargs)
         seconds = time.perf_counter() - start
+        watchdog.beat(margs.distributed_timeout_seconds_after_init)
         loss_dict, skipped, grad_norm = out[0], out[1], out[5]
         if "lm loss" in loss_dict and not skipped:
             value = loss_dict["lm loss"]
@@ -132,14 +173,16 @@ def _wrap_train_step(original: Callable, log: StepLog) -> Callable:
     return train_step
 
 
-def _wrap_save_checkpoint(original: Callable) -> Callable:
+def _wrap_save_checkpoint(original: Callable, watchdog: StallWatchdog) -> Callable:
     from megatron_longctx.megatron import checkpoint_guard
 
     @functools.wraps(original)
     def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
 
+        watchdog.beat(None)
         out = original(iteration, *args, **kwargs)
+        watchdog.beat(None)
         save_dir = get_args().save
         if dist.get_rank() == 0:
             checkpoint_guard.write_manifest(save_dir, iteration)
@@ -149,15 +192,15 @@ def _wrap_save_checkpoint(original: Callable) -> Callable:
     return save_checkpoint
 
 
-def _install_hooks(log: StepLog) -> list[tuple[Any, str, Any]]:
+def _install_hooks(log: StepLog, watchdog: StallWatchdog) -> list[tuple[Any, str, Any]]:
     from megatron.core.datasets import utils as datasets_utils
     from megatron.training import arguments, checkpointing, training
 
     from megatron_longctx import cpu_compat
     from megatron_longctx.megatron.launch import _skip_built_helpers
 
-    targets = [(training, "train_step", lambda f: _wrap_train_step(f, log)),
-               (training, "save_checkpoint", _wrap_save_checkpoint),
+    targets = [(training, "train_step", lambda f: _wrap_train_step(f, log, watchdog)),
+               (training, "save_checkpoint", lambda f: _wrap_save_checkpoint(f, watchdog)),
                (datasets_utils, "compile_helpers", _skip_built_helpers),  # the wheel ships helpers_cpp, no Makefile
                (arguments, "_print_args", lambda f: _quiet_print_args),
                (training, "update_pg_timeout", _wrap_update_pg_timeout)]  # 900 lines of argument dump
@@ -192,13 +235,13 @@ def _quiet_print_args(title: str, args: Any, *rest: Any, **kwargs: Any) -> None:
         print(f"[megatron] {title}: {len(vars(args))} set (the job's flags are in its command line)", flush=True)
 
 
-def _fail_marker(settings: dict[str, Any]) -> None:
+def _fail_marker(settings: dict[str, Any], message: Optional[str] = None) -> None:
     """Tell the launcher this rank failed, so it ends the job now rather than after torchrun's grace."""
     folder = settings.get("marker_dir")
     if folder:
         rank = os.environ.get("RANK", "0")
         with open(os.path.join(folder, f"rank{rank}.failed"), "w") as f:
-            f.write(traceback.format_exc())
+            f.write(message or traceback.format_exc())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -230,7 +273,8 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
 
     sys.argv = [sys.argv[0], *argv]
     log = StepLog(settings)
-    saved = _install_hooks(log)
+    watchdog = StallWatchdog(settings)
+    saved = _install_hooks(log, watchdog)
     try:
         with cpu_compat.enabled():
             args = parse_and_validate_args(extra_args_provider=add_longctx_args)
@@ -238,6 +282,7 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
             training.pretrain(full_config, providers.train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
                               providers.forward_step, model_provider=providers.model_provider)
     finally:
+        watchdog.seconds = None  # training is over: nothing to watch
         log.close()
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)

@@ -85,8 +85,9 @@ def _prepare_checkpoints(job: job_args.Job, own: argparse.Namespace) -> list[str
     if job.load is not None:
         job.load_step, notes = guard.resolve_load(job.load, job.ckpt_step)
         if job.save is not None and os.path.abspath(job.save) == os.path.abspath(job.load):
-            notes += guard.set_aside_later(job.save, job.load_step)
-    if job.save is not None and job.load is None:
+            notes += guard.set_aside_later(job.save, job.load_step)  # the resumed saves must not overwrite them
+    same_dir = job.load is not None and job.save is not None and os.path.abspath(job.save) == os.path.abspath(job.load)
+    if job.save is not None and not same_dir:
         existing = guard.existing_checkpoint(job.save)
         if existing and not own.overwrite_checkpoint:
             raise guard.CheckpointError(
