@@ -12,7 +12,7 @@
 # --longctx-* flags and puts ContextParallelAttention (and the memory features) into the layer spec.
 set -euo pipefail
 
-: "${MEGATRON_LM:=/opt/Megatron-LM}"    # Megatron-LM checkout of the core_v0.19.2 tag (pretrain_gpt.py)
+: "${MEGATRON_LM:=/opt/Megatron-LM}"    # Megatron-LM scripts of core_r0.19.0 (pretrain_gpt.py; the image has them)
 : "${NNODES:=8}"
 : "${NODE_RANK:=0}"
 : "${MASTER_ADDR:=localhost}"
@@ -40,6 +40,7 @@ torchrun --nproc-per-node 8 --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --kv-channels 128 --group-query-attention --num-query-groups 8 --swiglu \
     --position-embedding-type rope --rotary-base 500000 --untie-embeddings-and-output-weights \
     --seq-length 1048576 --max-position-embeddings 1048576 --micro-batch-size 1 \
+    --no-create-attention-mask-in-dataloader \
     --global-batch-size 1 --tensor-model-parallel-size 4 --context-parallel-size 16 --bf16 \
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --sequence-parallel \
     --cp-comm-type p2p \

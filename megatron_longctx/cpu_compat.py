@@ -30,9 +30,11 @@ Megatron-LM's training stack (``megatron.training``, what ``pretrain_gpt.py`` ru
   ``torch.cuda.device_count() > 0``: that module sees one device (and ``set_device`` is a no-op);
 * ``initialize._warmup_jit_function`` warms the fused kernels on ``"cuda"``: skipped;
 * ``.cuda()`` on tensors and modules (the script's ``get_batch``, ``get_model``) returns them as they
-  are, and ``megatron.training.training`` / ``rerun_state_machine`` allocate with ``device="cuda"``;
+  are, and ``megatron.training.training`` / ``checkpointing`` / ``rerun_state_machine`` allocate with
+  ``device="cuda"``;
 * ``torch.cuda.Stream()`` (the DDP wrap's initialisation stream) is a stream that never waits;
-* ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` grads: a device-agnostic twin.
+* the optimizers and ``clip_grad_by_total_norm_fp32`` check parameters and grads by their type names
+  (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``): ``Tensor.type()`` names CPU tensors so.
 
 :func:`cpu_default_args` gives the command-line defaults a CPU process needs for Megatron-LM's scripts
 (gloo, the CUDA-only fusions off, ``--transformer-impl local`` without Transformer Engine, ...); flags
@@ -151,6 +153,7 @@ _HARD_CODED_CUDA_MODULES = (
 _HARD_CODED_CUDA_TRAINING_MODULES = (
     "megatron.training.training",  # start-time and loss-accumulator tensors
     "megatron.core.rerun_state_machine",  # validated-result flags
+    "megatron.training.checkpointing",  # the loaded iteration, agreed across ranks
 )
 
 
@@ -183,24 +186,19 @@ class _CudaOneDevice(types.ModuleType):
         return getattr(torch.cuda, name)  # everything else: the (patched) torch.cuda
 
 
-def _cpu_clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: Any,
-                                      use_decoupled_grad: bool = False) -> None:
-    """Megatron's ``clip_grad_by_total_norm_fp32`` without its ``torch.cuda.FloatTensor`` assert:
-    scale every fp32 grad in place by ``min(1, max_norm / (total_norm + 1e-6))``."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    grads = []
-    for param in parameters:
-        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
-        if grad is not None:
-            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if isinstance(clip_coeff, torch.Tensor):
-        clip_coeff = clip_coeff.clamp_max(1.0)
-    elif clip_coeff >= 1.0:
-        return
-    for grad in grads:
-        grad.detach().mul_(clip_coeff)
+_ORIGINAL_TYPE = torch.Tensor.type
+
+
+def _type_as_on_cuda(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    """``Tensor.type()`` naming a CPU tensor's type as its CUDA twin's (``torch.cuda.BFloat16Tensor``):
+    Megatron's optimizers and grad clipping check parameters and grads by those names; with an argument
+    (a conversion) it is ``Tensor.type`` itself."""
+    if dtype is not None or kwargs or non_blocking:
+        return _ORIGINAL_TYPE(self, dtype, non_blocking, **kwargs)
+    name = _ORIGINAL_TYPE(self)
+    if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+        return "torch.cuda." + name[len("torch."):]
+    return name
 
 
 def _no_device_arch() -> int:
@@ -224,13 +222,13 @@ def _no_jit_warmup(*args: Any, **kwargs: Any) -> None:
 def _training_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]:
     """What Megatron-LM's training stack (``megatron.training``) needs on a CPU process (module docstring)."""
     try:
-        from megatron.core.optimizer import clip_grads
         from megatron.training import arguments, initialize  # noqa: F401
         from megatron.training import training as _training  # noqa: F401 - imports the modules patched below
     except ImportError:  # megatron-core without megatron.training (0.16 wheel): nothing to do
         return []
     patches: list[tuple[Any, str, Any]] = [
         (torch.Tensor, "cuda", _tensor_cuda),
+        (torch.Tensor, "type", _type_as_on_cuda),
         (torch.cuda, "Stream", _NoStream),
         (initialize, "_warmup_jit_function", _no_jit_warmup),
     ]
@@ -241,7 +239,6 @@ def _training_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]
             arch_checks.add(getattr(importlib.import_module(name), "get_device_arch_version", None))
     for arch in arch_checks - {None}:
         patches += _replace_everywhere(arch, _no_device_arch)
-    patches += _replace_everywhere(clip_grads.clip_grad_by_total_norm_fp32, _cpu_clip_grad_by_total_norm_fp32)
     one_device_torch = types.ModuleType("torch")
     one_device_torch.__dict__.update(cpu_torch.__dict__)
     one_device_torch.cuda = _CudaOneDevice()
@@ -266,6 +263,8 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "synchronize", _no_device_to_synchronize),
         (torch.cuda, "current_stream", _current_stream),
     ]
+    with contextlib.suppress(ImportError):  # first: it imports Megatron-Core modules that the lines below patch
+        importlib.import_module("megatron.training.training")
     try:
         from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding  # noqa: F401
         from megatron.core.tensor_parallel import random as mp_random
@@ -396,3 +395,39 @@ def enabled() -> Iterator[None]:
         yield
     finally:
         disable()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m megatron_longctx.cpu_compat <script.py> [args...]``: run a Megatron-LM script on a CPU
+    process with the CPU defaults, *without* installing the plugin (baseline Megatron, or a script patched
+    with ``patches/``).  ``python -m megatron_longctx.launch`` is the same with the plugin installed."""
+    import runpy
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m megatron_longctx.cpu_compat <script.py> [Megatron-LM args]")
+        raise SystemExit(0 if argv else 2)
+    if not os.path.isfile(argv[0]):
+        raise SystemExit(f"megatron_longctx.cpu_compat: no such script: {argv[0]}")
+    script = os.path.abspath(argv[0])
+    sys.path.insert(0, os.path.dirname(script))  # before Megatron is imported: the script's tree first
+    from megatron_longctx.megatron.args import megatron_parser, with_defaults
+    from megatron_longctx.megatron.launch import log_losses, megatron_default_args, skip_built_helpers
+
+    skip_built_helpers()  # the wheel ships the compiled dataset helpers without their Makefile
+    log_losses()  # $LONGCTX_LOSS_LOG, as the launcher writes it
+    args, added = cpu_default_args(argv[1:])
+    parser = megatron_parser()
+    args, more = with_defaults(args, megatron_default_args(parser), parser)
+    added += more
+    if added and os.environ.get("RANK", "0") == "0":
+        print(f"megatron_longctx.cpu_compat: defaults set (explicit flags win): {', '.join(added)}", flush=True)
+    enable()
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    from megatron_longctx.cpu_compat import main as _main  # the imported module's state, not __main__'s
+
+    _main()

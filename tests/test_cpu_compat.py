@@ -79,3 +79,39 @@ def _recompute_replays_dropout():
 
 def test_gpt_forward_backward_on_cpu_with_recompute():
     run_ranks(2, _recompute_replays_dropout)
+
+
+def test_training_stack_patches_are_scoped():
+    try:
+        from megatron.training import initialize
+    except ImportError:
+        pytest.skip("this megatron-core has no megatron.training (the 0.16.1 wheel ships none)")
+    if not cpu_compat.needed():
+        pytest.skip("CUDA is available: cpu_compat is a no-op here")
+    from megatron.training import arguments
+
+    original_torch = initialize.torch
+    t = torch.zeros(2, dtype=torch.bfloat16)
+    with cpu_compat.enabled():
+        assert t.cuda() is t and t.type() == "torch.cuda.BFloat16Tensor"  # the optimizers' type checks
+        assert t.type(torch.float32).dtype == torch.float32  # a conversion is still one
+        assert initialize.torch.cuda.device_count() == 1  # model-parallel groups and RNG tracker get set up
+        assert arguments.get_device_arch_version() == 0
+    assert "cuda" not in vars(torch.Tensor) and "type" not in vars(torch.Tensor)  # inherited again
+    assert initialize.torch is original_torch and t.type() == "torch.BFloat16Tensor"
+
+
+def test_cpu_default_args_explicit_flags_win(monkeypatch):
+    monkeypatch.delenv(cpu_compat.MAX_CONNECTIONS_ENV, raising=False)  # restored after the test
+    try:
+        import megatron.training.arguments  # noqa: F401
+    except ImportError:
+        pytest.skip("this megatron-core has no megatron.training (the 0.16.1 wheel ships none)")
+    argv, added = cpu_compat.cpu_default_args(["--distributed-backend", "nccl", "--transformer-impl=local"])
+    if not cpu_compat.needed():
+        assert added == []
+        return
+    assert argv[:3] == ["--distributed-backend", "nccl", "--transformer-impl=local"]
+    assert not any(a.startswith(("--distributed-backend", "--transformer-impl")) for a in added)
+    assert {"--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-rope-fusion"} <= set(added)
+    assert f"{cpu_compat.MAX_CONNECTIONS_ENV}=1" in added

@@ -4,7 +4,9 @@
 ``pretrain(..., extra_args_provider=...)``, 0.19's to ``parse_and_validate_args(extra_args_provider=...)``.
 Every field of every dataclass in :data:`megatron_longctx.config.FEATURES` becomes one flag
 ``--longctx-<field-with-dashes>`` (dest ``longctx_<field>``) with the field's default and help; no
-flag is written by hand.  :func:`config_from_args` turns the parsed namespace into a validated
+flag is written by hand.  Fields a Megatron flag already covers (:data:`megatron_longctx.flags.MEGATRON_FLAGS`,
+the ``recompute_*``) are read from Megatron's arguments instead (:func:`plugin_recompute`).
+:func:`config_from_args` turns the parsed namespace into a validated
 :class:`~megatron_longctx.config.LongContextConfig`.
 """
 
@@ -16,6 +18,7 @@ import re
 from typing import Any, Optional, Sequence
 
 from megatron_longctx.config import FEATURES, LongContextConfig, flag_name
+from megatron_longctx.flags import MEGATRON_FLAGS
 
 DEST_PREFIX = "longctx_"
 GROUP_TITLE = "megatron-longctx"
@@ -54,7 +57,8 @@ def add_longctx_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group = parser.add_argument_group(title=GROUP_TITLE)
     for _, cls in FEATURES:
         for f in dataclasses.fields(cls):
-            _add_field(group, f)
+            if f.name not in MEGATRON_FLAGS:  # read from Megatron's own flag instead
+                _add_field(group, f)
     return parser
 
 
@@ -116,6 +120,8 @@ def config_from_args(args: argparse.Namespace) -> LongContextConfig:
     values: dict[str, Any] = {}
     for _, cls in FEATURES:
         for f in dataclasses.fields(cls):
+            if f.name in MEGATRON_FLAGS:
+                continue
             dest = DEST_PREFIX + f.name
             if not hasattr(args, dest):
                 raise ValueError(f"{flag_name(f.name)} is missing from the parsed arguments: pass "
@@ -124,7 +130,55 @@ def config_from_args(args: argparse.Namespace) -> LongContextConfig:
             if isinstance(value, list):
                 value = tuple(item for v in value for item in v.replace(",", " ").split())
             values[f.name] = value
+    values.update(plugin_recompute(args, values.get("offload_policy", "none")))
     return LongContextConfig.from_flat(values)
+
+
+# Megatron's selective-recompute modules whose own implementation fails without Transformer Engine:
+# "layernorm" (every CheckpointWithoutOutput path needs TE's FP8GlobalStateManager) and "mlp" with a bias
+# (the MLP returns its bias Parameter out of an autograd Function: backward recurses).
+def _megatron_cannot(args: argparse.Namespace, modules: tuple) -> list[str]:
+    from megatron_longctx.cpu_compat import has_transformer_engine
+
+    if getattr(args, "transformer_impl", "local") == "transformer_engine" and has_transformer_engine():
+        return []
+    failing = ["layernorm"] if "layernorm" in modules else []
+    if "mlp" in modules and getattr(args, "add_bias_linear", True):
+        failing.append("mlp")
+    return failing
+
+
+def plugin_recompute(args: argparse.Namespace, offload_policy: str) -> dict[str, Any]:
+    """The ``MemoryConfig.recompute_*`` values: the part of Megatron's ``--recompute-*`` the plugin runs.
+
+    Megatron runs its own recompute, except where it cannot here: selective ``layernorm`` / ``mlp`` with a
+    bias without Transformer Engine (:func:`_megatron_cannot`), and full recompute whose checkpointed
+    inputs ``--longctx-offload-policy checkpoint`` offloads.  Then the plugin runs all of it (same
+    modules, same layers) and the model is built with Megatron's recompute off.  ``{}``: Megatron's own.
+    """
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is None and getattr(args, "recompute_activations", False):
+        granularity = "selective"  # Megatron's --recompute-activations (validate_args maps it later)
+    if granularity not in ("full", "selective"):
+        return {}
+    modules = tuple(getattr(args, "recompute_modules", None) or ("core_attn",))
+    if granularity == "full" and offload_policy != "checkpoint":
+        return {}
+    if granularity == "selective":
+        failing = _megatron_cannot(args, modules)
+        if not failing:
+            return {}
+        from megatron_longctx.memory.config import RECOMPUTE_MODULE_NAMES
+
+        others = [m for m in modules if m not in RECOMPUTE_MODULE_NAMES]
+        if others:
+            raise ValueError(f"--recompute-modules: Megatron cannot recompute {', '.join(failing)} without "
+                             f"Transformer Engine and megatron-longctx, which runs them instead, has no recompute "
+                             f"for {', '.join(others)}; install Transformer Engine (--transformer-impl "
+                             "transformer_engine) or recompute those modules separately")
+        return dict(recompute_granularity="selective", recompute_modules=modules)
+    return dict(recompute_granularity="full", recompute_method=getattr(args, "recompute_method", None) or "uniform",
+                recompute_num_layers=int(getattr(args, "recompute_num_layers", None) or 0))
 
 
 def _check_kernel_backend(name: Optional[str]) -> None:

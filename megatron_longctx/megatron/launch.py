@@ -22,6 +22,7 @@ Users who prefer editing ``pretrain_gpt.py`` find the equivalent few-line diffs 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
@@ -133,11 +134,20 @@ def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
         mtp = bound.arguments.get("mtp_block_spec")
         if mtp is not None:
             bound.arguments["mtp_block_spec"] = transform_spec(mtp, cfg, require=False)
+        if cfg.memory.recompute_enabled and getattr(bound.arguments.get("config"), "recompute_granularity", None):
+            bound.arguments["config"] = _without_megatron_recompute(bound.arguments["config"])
         original(*bound.args, **bound.kwargs)
         if cfg.memory.any_enabled:
             from megatron_longctx.memory import install as install_memory
 
             self._longctx_memory_handle = install_memory(self, cfg.memory)
+            if cfg.memory.recompute_enabled and os.environ.get("RANK", "0") == "0":
+                mem = cfg.memory
+                what = (f"selective: {' '.join(mem.recompute_modules)}" if mem.recompute_granularity == "selective"
+                        else f"full: {mem.recompute_method}")
+                print(f"megatron_longctx.launch: Megatron's --recompute-granularity ({what}) runs in the plugin's "
+                      f"recompute on {len(self._longctx_memory_handle.layers)} layers (see plugin_recompute)",
+                      flush=True)
 
     __init__.__longctx_wrapped__ = original
     return __init__
@@ -155,7 +165,18 @@ def _skip_built_helpers(original: Callable) -> Callable:
             return original(*args, **kwargs)
         return None
 
+    compile_helpers.__longctx_wrapped__ = original
     return compile_helpers
+
+
+def skip_built_helpers() -> None:
+    """For the process's lifetime, skip Megatron's helpers build when ``helpers_cpp`` imports (idempotent;
+    :func:`install` does it reversibly; the ``patches/`` hooks and ``python -m megatron_longctx.cpu_compat``
+    call this)."""
+    with contextlib.suppress(ImportError):
+        datasets_utils = importlib.import_module("megatron.core.datasets.utils")
+        if not hasattr(datasets_utils.compile_helpers, "__longctx_wrapped__"):
+            datasets_utils.compile_helpers = _skip_built_helpers(datasets_utils.compile_helpers)
 
 
 def _log_losses(original: Callable) -> Callable:
@@ -171,7 +192,17 @@ def _log_losses(original: Callable) -> Callable:
                 f.write(json.dumps({"iteration": int(iteration), **losses}) + "\n")
         return original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
 
+    training_log.__longctx_wrapped__ = original
     return training_log
+
+
+def log_losses() -> None:
+    """For the process's lifetime, write ``$LONGCTX_LOSS_LOG`` (idempotent; :func:`install` does it
+    reversibly; ``python -m megatron_longctx.cpu_compat`` calls this)."""
+    with contextlib.suppress(ImportError):
+        training = importlib.import_module("megatron.training.training")
+        if not hasattr(training.training_log, "__longctx_wrapped__"):
+            training.training_log = _log_losses(training.training_log)
 
 
 def _is_last_rank() -> bool:
@@ -180,15 +211,27 @@ def _is_last_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
+def _without_megatron_recompute(config: Any) -> Any:
+    """A copy of a TransformerConfig with Megatron's recompute off: the plugin runs it instead
+    (:func:`megatron_longctx.megatron.args.plugin_recompute` says when)."""
+    config = copy.copy(config)
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        setattr(config, name, None)
+    config.recompute_modules = []
+    return config
+
+
 def _targets() -> list[tuple[Any, str, Callable]]:
     """(owner, attribute, replacement) for every place :func:`install` wraps."""
     targets = []
     with contextlib.suppress(ImportError):
         datasets_utils = importlib.import_module("megatron.core.datasets.utils")
-        targets.append((datasets_utils, "compile_helpers", _skip_built_helpers(datasets_utils.compile_helpers)))
+        if not hasattr(datasets_utils.compile_helpers, "__longctx_wrapped__"):
+            targets.append((datasets_utils, "compile_helpers", _skip_built_helpers(datasets_utils.compile_helpers)))
     with contextlib.suppress(ImportError):
         training = importlib.import_module("megatron.training.training")
-        targets.append((training, "training_log", _log_losses(training.training_log)))
+        if not hasattr(training.training_log, "__longctx_wrapped__"):
+            targets.append((training, "training_log", _log_losses(training.training_log)))
     try:
         arguments = importlib.import_module("megatron.training.arguments")
     except ImportError:
@@ -262,6 +305,13 @@ def warn_if_mixed_trees() -> None:
               "megatron-core)", file=sys.stderr, flush=True)
 
 
+def megatron_default_args(parser: Any) -> list[tuple[str, ...]]:
+    """Defaults Megatron-LM lacks and needs on any device: ``--eval-interval 1000`` where it has none (0.19
+    computes ``train_iters // eval_interval``)."""
+    eval_interval = parser._option_string_actions.get("--eval-interval")
+    return [("--eval-interval", "1000")] if eval_interval is not None and eval_interval.default is None else []
+
+
 def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """``(argv + the defaults the launcher sets, those defaults as text)``; flags given in ``argv`` win.
 
@@ -280,10 +330,7 @@ def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     except ImportError:  # no megatron.training (the 0.16 wheel without a Megatron-LM checkout): nothing to set
         return list(argv), []
     argv, added = cpu_compat.cpu_default_args(list(argv))
-    defaults: list[tuple[str, ...]] = []
-    eval_interval = parser._option_string_actions.get("--eval-interval")
-    if eval_interval is not None and eval_interval.default is None:
-        defaults.append(("--eval-interval", "1000"))
+    defaults = megatron_default_args(parser)
     namespace, _ = parser.parse_known_args(argv)
     if getattr(namespace, "context_parallel_size", 1) > 1:
         defaults += [("--attention-dropout", "0"), ("--no-create-attention-mask-in-dataloader",)]

@@ -17,7 +17,13 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 
 def extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvider:
-    """An ``extra_args_provider`` that adds the ``--longctx-*`` flags after ``other``'s (e.g. ModelOpt's)."""
+    """An ``extra_args_provider`` that adds the ``--longctx-*`` flags after ``other``'s (e.g. ModelOpt's).
+
+    Like the launcher, it also skips Megatron's start-up build of the dataset helpers when the compiled
+    ``helpers_cpp`` imports (the megatron-core wheel ships it without the Makefile)."""
+    from megatron_longctx.megatron.launch import skip_built_helpers
+
+    skip_built_helpers()
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if other is not None:

@@ -1,7 +1,8 @@
 """Typed configuration of the activation-memory features: offload, recompute, tiled MLP, tiled loss.
 
 One frozen dataclass, flat field names (each field is the ``--longctx-<field-with-dashes>`` flag of the
-same name).  ``__post_init__`` validates each field and the combinations that cannot work, and every
+same name, except the ``recompute_*`` fields: Megatron's own ``--recompute-*`` flags fill them with the
+part of Megatron's recompute that the plugin runs, see :func:`megatron_longctx.megatron.args.config_from_args`).  ``__post_init__`` validates each field and the combinations that cannot work, and every
 error names the flag and the fix.
 """
 
@@ -59,17 +60,21 @@ class MemoryConfig:
         default=True, metadata={"help": "during backward, fetch the next layer's tensors while this layer runs"}
     )
     recompute_granularity: str = field(
-        default="none", metadata={"help": "activation recompute: none | full (whole layers) | selective (named modules)"}
+        default="none", metadata={"help": "activation recompute run by the plugin: none | full (whole layers) | "
+                                          "selective (named modules); from Megatron's --recompute-granularity"}
     )
     recompute_method: str = field(
-        default="uniform", metadata={"help": "full recompute: uniform (every layer) | block (first N layers)"}
+        default="uniform", metadata={"help": "full recompute: uniform (every layer) | block (first N layers); "
+                                             "from Megatron's --recompute-method"}
     )
     recompute_num_layers: int = field(
-        default=0, metadata={"help": "full recompute with method=block: how many layers (0 = all layers)"}
+        default=0, metadata={"help": "full recompute with method=block: how many layers (0 = all layers); "
+                                     "from Megatron's --recompute-num-layers"}
     )
     recompute_modules: tuple = field(
         default=("core_attn",),
-        metadata={"help": "selective recompute: modules to recompute (core_attn, qkv, proj, mlp, layernorm)"},
+        metadata={"help": "selective recompute: modules to recompute (core_attn, qkv, proj, mlp, layernorm); "
+                          "from Megatron's --recompute-modules"},
     )
     tiled_mlp_tiles: int = field(
         default=0, metadata={"help": "run each MLP over this many sequence tiles (0 or 1 = off)"}
@@ -118,7 +123,7 @@ class MemoryConfig:
     def _check_combinations(self) -> None:
         if self.offload_policy == "checkpoint" and self.recompute_granularity != "full":
             raise _err("offload_policy", "'checkpoint' offloads the checkpointed layer inputs of full recompute; "
-                                         "also set --longctx-recompute-granularity full, or use policy 'modules'/'layers'")
+                                         "also set --recompute-granularity full, or use policy 'modules'/'layers'")
         if self.offload_policy == "modules" and not self.offload_modules:
             raise _err("offload_modules", "offload_policy=modules needs at least one module name")
         if self.recompute_granularity == "selective" and not self.recompute_modules:

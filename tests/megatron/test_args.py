@@ -7,10 +7,12 @@ import pytest
 
 from megatron_longctx import add_longctx_args, config_from_args
 from megatron_longctx.config import FEATURES, ContextParallelConfig, LongContextConfig, flag_name
+from megatron_longctx.flags import MEGATRON_FLAGS
 
 
 def _all_fields():
-    return [f for _, cls in FEATURES for f in dataclasses.fields(cls)]
+    """The fields that are --longctx-* flags (the recompute_* ones are read from Megatron's --recompute-*)."""
+    return [f for _, cls in FEATURES for f in dataclasses.fields(cls) if f.name not in MEGATRON_FLAGS]
 
 
 def test_one_flag_per_field_with_defaults():
@@ -26,13 +28,11 @@ def test_values_round_trip():
     parser = add_longctx_args(argparse.ArgumentParser())
     args = parser.parse_args([
         "--longctx-cp-algorithm", "ulysses", "--longctx-cp-kernel-backend", "reference",
-        "--longctx-recompute-granularity", "selective", "--longctx-recompute-modules", "core_attn", "mlp",
         "--longctx-tiled-mlp-tiles", "4", "--no-longctx-offload-prefetch", "--longctx-offload-modules", "core_attn,mlp",
     ])
     cfg = config_from_args(args)
     assert cfg.cp == ContextParallelConfig(cp_algorithm="ulysses", cp_kernel_backend="reference")
-    assert cfg.memory.recompute_granularity == "selective"
-    assert cfg.memory.recompute_modules == ("core_attn", "mlp")
+    assert cfg.memory.recompute_granularity == "none"  # no Megatron --recompute-* given
     assert cfg.memory.offload_modules == ("core_attn", "mlp")
     assert cfg.memory.tiled_mlp_tiles == 4 and cfg.memory.offload_prefetch is False
     assert LongContextConfig.from_flat(cfg.flat()) == cfg
@@ -42,7 +42,7 @@ def test_values_round_trip():
     (["--longctx-cp-algorithm", "zigzag"], "--longctx-cp-algorithm"),
     (["--longctx-cp-ulysses-size", "2", "--longctx-cp-algorithm", "ring"], "--longctx-cp-ulysses-size"),
     (["--longctx-tiled-mlp-tiles", "-1"], "--longctx-tiled-mlp-tiles"),
-    (["--longctx-recompute-modules", "attention"], "--longctx-recompute-modules"),
+    (["--longctx-offload-policy", "checkpoint"], "--longctx-offload-policy"),  # needs --recompute-granularity full
 ])
 def test_bad_values_name_the_flag(argv, flag):
     args = add_longctx_args(argparse.ArgumentParser()).parse_args(argv)
@@ -74,12 +74,14 @@ def test_real_megatron_parser_no_clashes():
     args = parser.parse_args([
         "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--seq-length", "64",
         "--recompute-granularity", "selective", "--longctx-cp-algorithm", "ring",
-        "--longctx-recompute-granularity", "full",
     ])
     assert args.context_parallel_size == 2 and args.cp_comm_type == ["a2a"] and args.seq_length == 64
     assert args.recompute_granularity == "selective"  # Megatron's own flag is untouched by ours
     cfg = config_from_args(args)
-    assert cfg.cp.cp_algorithm == "ring" and cfg.memory.recompute_granularity == "full"
+    assert cfg.cp.cp_algorithm == "ring"
+    assert cfg.memory.recompute_granularity == "none"  # selective core_attn: Megatron runs its own
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--longctx-recompute-granularity", "full"])  # Megatron's --recompute-* only
 
 
 def test_real_parse_args_with_extra_args_provider(monkeypatch):
@@ -87,3 +89,44 @@ def test_real_parse_args_with_extra_args_provider(monkeypatch):
     monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--num-layers", "2", "--longctx-cp-algorithm", "allgather"])
     args = arguments.parse_args(extra_args_provider=add_longctx_args)
     assert args.num_layers == 2 and config_from_args(args).cp.cp_algorithm == "allgather"
+
+
+def _ns(**kw):
+    """A parsed namespace: our defaults plus the given Megatron arguments."""
+    args = add_longctx_args(argparse.ArgumentParser()).parse_args([])
+    for key, value in kw.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("megatron, expected", [
+    (dict(), dict(recompute_granularity="none")),
+    # Megatron runs what it can: selective core_attn, full recompute.
+    (dict(recompute_granularity="selective", recompute_modules=["core_attn"]), dict(recompute_granularity="none")),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+     dict(recompute_granularity="none")),
+    # Without TE Megatron's layernorm (and mlp with a bias) fail: the plugin runs the whole selective set.
+    (dict(recompute_granularity="selective", recompute_modules=["layernorm", "core_attn"],
+          transformer_impl="local"),
+     dict(recompute_granularity="selective", recompute_modules=("layernorm", "core_attn"))),
+    (dict(recompute_granularity="selective", recompute_modules=["mlp"], add_bias_linear=True, transformer_impl="local"),
+     dict(recompute_granularity="selective", recompute_modules=("mlp",))),
+    (dict(recompute_granularity="selective", recompute_modules=["mlp"], add_bias_linear=False, transformer_impl="local"),
+     dict(recompute_granularity="none")),
+    (dict(recompute_activations=True, recompute_modules=None, transformer_impl="local"),
+     dict(recompute_granularity="none")),
+    # Checkpoint offload owns the checkpoints: the plugin runs Megatron's full recompute.
+    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2,
+          longctx_offload_policy="checkpoint"),
+     dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)),
+])
+def test_megatron_recompute_flags_fill_the_memory_config(megatron, expected):
+    memory = config_from_args(_ns(**megatron)).memory
+    for key, value in expected.items():
+        assert getattr(memory, key) == value, key
+
+
+def test_recompute_modules_the_plugin_cannot_run_are_named():
+    args = _ns(recompute_granularity="selective", recompute_modules=["layernorm", "moe_act"], transformer_impl="local")
+    with pytest.raises(ValueError, match="--recompute-modules: .*moe_act"):
+        config_from_args(args)

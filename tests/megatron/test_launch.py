@@ -228,3 +228,76 @@ def test_patch_019_layer_spec_with_megatrons_default():
     model_cfg.transformer_layer_spec = longctx_layer_spec(model_cfg.transformer_layer_spec, cfg)
     spec = model_cfg.transformer_layer_spec(model_cfg, vp_stage=None)
     assert count_context_parallel_attention(spec) == 1
+
+
+def test_default_args_explicit_flags_win():
+    if not _has_training():
+        pytest.skip("this Megatron-Core wheel does not ship megatron.training (0.19 does)")
+    from megatron_longctx import cpu_compat
+
+    argv, added = launch.default_args(["--num-layers", "2", "--distributed-backend=nccl", "--context-parallel-size",
+                                       "2", "--attention-dropout", "0.1"])
+    assert argv[:6] == ["--num-layers", "2", "--distributed-backend=nccl", "--context-parallel-size", "2",
+                        "--attention-dropout"]
+    assert "--no-create-attention-mask-in-dataloader" in added  # CP > 1: the dense mask is off
+    assert not any(a.startswith(("--distributed-backend", "--attention-dropout")) for a in added)
+    if cpu_compat.needed():
+        assert "--no-gradient-accumulation-fusion" in added and "--no-persist-layer-norm" in added
+    _, added = launch.default_args(["--num-layers", "2"])  # CP = 1: no CP defaults
+    assert "--no-create-attention-mask-in-dataloader" not in added and "--attention-dropout 0" not in added
+
+
+def test_after_parsing_checks_name_the_flag():
+    import argparse
+
+    from megatron_longctx.megatron.args import add_longctx_args, check_after_parsing
+
+    parser = add_longctx_args(argparse.ArgumentParser())
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--attention-dropout", type=float, default=0.1)
+    check_after_parsing(parser.parse_args([]))  # CP = 1: dropout is fine
+    for argv, flag in ((["--context-parallel-size", "2"], "--attention-dropout"),
+                       (["--longctx-cp-kernel-backend", "nope"], "--longctx-cp-kernel-backend"),
+                       (["--longctx-cp-ulysses-size", "-2"], "--longctx-cp-ulysses-size")):
+        with pytest.raises(ValueError, match=f"^{flag}: "):
+            check_after_parsing(parser.parse_args(argv))
+
+
+def test_help_percent_is_escaped():
+    import argparse
+
+    from megatron_longctx.megatron.args import escape_help_percents
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--factor", default=2, help="100% of the buffer, default %(default)s")
+    with pytest.raises((ValueError, TypeError)):
+        parser.format_help()
+    assert "100% of the buffer, default 2" in " ".join(escape_help_percents(parser).format_help().split())
+
+
+def test_launcher_help_lists_the_group(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "megatron_longctx.launch", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--longctx-cp-algorithm" in proc.stdout and "--longctx-tiled-loss-tiles" in proc.stdout
+    if _has_training():
+        assert "--context-parallel-size" in proc.stdout  # Megatron's own arguments, help formatted
+
+
+def test_mixed_megatron_trees_warn(tmp_path, monkeypatch, capsys):
+    import importlib
+
+    import megatron.core  # noqa: F401 - the installed tree
+
+    (tmp_path / "megatron" / "longctx_probe").mkdir(parents=True)
+    (tmp_path / "megatron" / "longctx_probe" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importlib.import_module("megatron.longctx_probe")  # a second tree joins the namespace package
+        trees = launch.megatron_trees()
+        assert str(tmp_path) in trees and len(trees) == 2
+        launch.warn_if_mixed_trees()
+        assert "Megatron is loaded from 2 trees" in capsys.readouterr().err
+    finally:
+        sys.modules.pop("megatron.longctx_probe", None)

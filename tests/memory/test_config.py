@@ -13,9 +13,9 @@ def test_defaults_enable_nothing():
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(offload_policy="everything"), "--longctx-offload-policy"),
     (dict(offload_target="nvme"), "--longctx-offload-target"),
-    (dict(recompute_granularity="half"), "--longctx-recompute-granularity"),
-    (dict(recompute_method="random"), "--longctx-recompute-method"),
-    (dict(recompute_granularity="selective", recompute_modules=("attention",)), "--longctx-recompute-modules"),
+    (dict(recompute_granularity="half"), "--recompute-granularity"),
+    (dict(recompute_method="random"), "--recompute-method"),
+    (dict(recompute_granularity="selective", recompute_modules=("attention",)), "--recompute-modules"),
     (dict(offload_policy="modules", offload_modules=("everything",)), "--longctx-offload-modules"),
     (dict(tiled_mlp_tiles=-1), "--longctx-tiled-mlp-tiles"),
     (dict(tiled_loss_tiles=2.5), "--longctx-tiled-loss-tiles"),
@@ -26,7 +26,7 @@ def test_defaults_enable_nothing():
     (dict(offload_policy="checkpoint", recompute_granularity="selective"), "--longctx-offload-policy"),
     (dict(offload_policy="modules", recompute_granularity="full"), "--longctx-offload-policy"),
     (dict(offload_policy="modules", offload_modules=()), "--longctx-offload-modules"),
-    (dict(recompute_granularity="selective", recompute_modules=""), "--longctx-recompute-modules"),
+    (dict(recompute_granularity="selective", recompute_modules=""), "--recompute-modules"),
     (dict(offload_disk_dir="/tmp/x"), "--longctx-offload-disk-dir"),
 ])
 def test_bad_values_name_the_flag(kwargs, flag):

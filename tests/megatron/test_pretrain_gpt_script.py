@@ -1,0 +1,144 @@
+"""Megatron-LM's own, unmodified ``pretrain_gpt.py`` trains with the plugin on CPU (gloo, 2 ranks, tiny GPT).
+
+Every comparison reads the full-precision per-iteration losses the launcher writes to
+``$LONGCTX_LOSS_LOG`` and compares them with Megatron's CP=1 run of the same script (one rank, the
+plugin's attention on one CP rank; the CP algorithms are checked against Megatron's own attention by
+the model-level tests in ``test_gpt_cp.py``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from tests.megatron_lm import (
+    REF_016,
+    REPO,
+    TINY_GPT,
+    assert_same_losses,
+    copy_scripts,
+    require_scripts,
+    require_training,
+    run_script,
+)
+
+ITERS = ("--train-iters", "3")
+ROPE_GQA = ("--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2")
+VARIANTS = {"learned": (), "rope_gqa": ROPE_GQA}
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    require_scripts()
+    require_training()
+    return copy_scripts(tmp_path_factory.mktemp("megatron_lm"))
+
+
+@pytest.fixture(scope="module")
+def cp1_losses(script):
+    """``{variant: lm losses}`` of the CP=1 run (one rank), computed once per variant."""
+    cache: dict[str, list[float]] = {}
+
+    def get(variant: str) -> list[float]:
+        if variant not in cache:
+            run = run_script(script, [*TINY_GPT, *ITERS, *VARIANTS[variant]], nproc=1).check()
+            cache[variant] = run.lm_losses()
+            print(f"CP=1 {variant}: {run.wall_s:.1f} s")
+        return cache[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("comm, variant", [("p2p", "learned"), ("all_gather", "learned"), ("a2a", "learned"),
+                                           ("p2p", "rope_gqa")])
+def test_cp2_equals_cp1(script, cp1_losses, comm, variant):
+    run = run_script(script, [*TINY_GPT, *ITERS, *VARIANTS[variant], "--context-parallel-size", "2",
+                              "--cp-comm-type", comm]).check()
+    print(f"CP=2 {comm} {variant}: {run.wall_s:.1f} s")
+    assert "defaults set (explicit flags win)" in run.output
+    assert "--no-create-attention-mask-in-dataloader" in run.output  # CP>1: the dense mask is off
+    assert_same_losses(run.lm_losses(), cp1_losses(variant))
+
+
+def test_save_load_resumes_exactly(script, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cp2 = [*TINY_GPT, "--context-parallel-size", "2", "--cp-comm-type", "p2p", "--train-iters", "6"]
+    whole = run_script(script, [*cp2, "--save", str(ckpt), "--save-interval", "3"]).check()
+    resumed = run_script(script, [*cp2, "--load", str(ckpt), "--ckpt-step", "3"]).check()
+    print(f"save/load: {whole.wall_s:.1f} s + {resumed.wall_s:.1f} s")
+    assert [row["iteration"] for row in resumed.losses] == [4, 5, 6]
+    assert [row["iteration"] for row in whole.losses] == [1, 2, 3, 4, 5, 6]
+    assert resumed.lm_losses() == whole.lm_losses()[3:]  # bit for bit
+
+
+@pytest.mark.parametrize("recompute, plugin_runs", [
+    (("--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"), True),
+    (("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"), False),
+])
+def test_megatron_recompute_flags(script, cp1_losses, recompute, plugin_runs):
+    run = run_script(script, [*TINY_GPT, *ITERS, "--context-parallel-size", "2", *recompute]).check()
+    print(f"recompute {recompute[1]}: {run.wall_s:.1f} s")
+    # Without Transformer Engine Megatron's selective layernorm/mlp fail; the plugin runs them instead.
+    assert ("runs in the plugin's recompute on 2 layers" in run.output) == plugin_runs
+    assert_same_losses(run.lm_losses(), cp1_losses("learned"))
+
+
+def _unusable_backend():
+    import torch
+
+    from megatron_longctx.kernels.select import BACKENDS
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return next((name for name, b in BACKENDS.items() if b.available(device) is not None), None)
+
+
+@pytest.mark.parametrize("bad, flag", [
+    (("--longctx-cp-kernel-backend", "no_such_kernel"), "--longctx-cp-kernel-backend"),
+    (("--longctx-cp-kernel-backend", "UNUSABLE"), "--longctx-cp-kernel-backend"),
+    (("--attention-dropout", "0.1"), "--attention-dropout"),
+    (("--longctx-tiled-mlp-tiles", "-1"), "--longctx-tiled-mlp-tiles"),
+])
+def test_bad_flags_fail_before_distributed_init(script, bad, flag):
+    if "UNUSABLE" in bad:
+        name = _unusable_backend()
+        if name is None:
+            pytest.skip("every kernel backend runs on this machine")
+        bad = (bad[0], name)
+    at = TINY_GPT.index("--attention-dropout")
+    args = [*TINY_GPT[:at], *TINY_GPT[at + 2:]]  # the bad flag's own value decides
+    run = run_script(script, [*args, *ITERS, "--context-parallel-size", "2", *bad], nproc=1)
+    print(f"bad {bad}: {run.wall_s:.1f} s")
+    assert run.returncode != 0
+    errors = [line for line in run.output.splitlines() if line.startswith("megatron_longctx.launch: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"megatron_longctx.launch: error: {flag}:"), run.output[-3000:]
+    assert "initializing torch distributed" not in run.output and not run.losses
+
+
+def test_patched_script_trains_identically(script, cp1_losses, tmp_path):
+    if shutil.which("patch") is None:
+        pytest.skip("the patch tool is not installed")
+    patched = copy_scripts(tmp_path / "patched")
+    subprocess.run(["patch", "-p1", "-i", str(REPO / "patches" / "core_r0.19-pretrain_gpt.diff")],
+                   cwd=patched.parent, check=True, capture_output=True)
+    assert "longctx_layer_spec" in patched.read_text()
+    # cpu_compat's runner: the CPU defaults, no plugin installed (the patch brings it in).
+    run = run_script(patched, [*TINY_GPT, *ITERS, "--context-parallel-size", "2", "--cp-comm-type", "p2p",
+                               "--no-create-attention-mask-in-dataloader"],
+                     launcher=("-m", "megatron_longctx.cpu_compat")).check()
+    print(f"patched: {run.wall_s:.1f} s")
+    assert "megatron_longctx.cpu_compat: defaults set" in run.output
+    assert_same_losses(run.lm_losses(), cp1_losses("learned"))
+
+
+def test_patch_016_applies(tmp_path):
+    if shutil.which("patch") is None:
+        pytest.skip("the patch tool is not installed")
+    folder = require_scripts(REF_016)
+    for name in ("pretrain_gpt.py", "gpt_builders.py"):
+        shutil.copy(folder / name, tmp_path / name)
+    proc = subprocess.run(["patch", "-p1", "--dry-run", "-i", str(REPO / "patches" / "core_r0.16-pretrain_gpt.diff")],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pretrain_gpt.py" in proc.stdout and "gpt_builders.py" in proc.stdout
