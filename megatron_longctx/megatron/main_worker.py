@@ -15,9 +15,8 @@ run, and nothing else is changed:
 * ``update_pg_timeout``: the after-init timeout reaches every process group (the plugin's too);
 * ``save_checkpoint``: once Megatron has written an iteration folder and its tracker file, the
   integrity manifest of that folder is written (:mod:`megatron_longctx.megatron.checkpoint_guard`);
-* ``compile_helpers`` skipped when the wheel's compiled ``helpers_cpp`` imports, ``_print_args``
-  shortened to one line, and (CPU only) ``megatron.training.checkpointing``'s ``device="cuda"`` tracker
-  read placed on the CPU.
+* ``compile_helpers`` skipped when the wheel's compiled ``helpers_cpp`` imports, and ``_print_args``
+  shortened to one line.
 """
 
 from __future__ import annotations
@@ -194,9 +193,8 @@ def _wrap_save_checkpoint(original: Callable, watchdog: StallWatchdog) -> Callab
 
 def _install_hooks(log: StepLog, watchdog: StallWatchdog) -> list[tuple[Any, str, Any]]:
     from megatron.core.datasets import utils as datasets_utils
-    from megatron.training import arguments, checkpointing, training
+    from megatron.training import arguments, training
 
-    from megatron_longctx import cpu_compat
     from megatron_longctx.megatron.launch import _skip_built_helpers
 
     targets = [(training, "train_step", lambda f: _wrap_train_step(f, log, watchdog)),
@@ -204,8 +202,6 @@ def _install_hooks(log: StepLog, watchdog: StallWatchdog) -> list[tuple[Any, str
                (datasets_utils, "compile_helpers", _skip_built_helpers),  # the wheel ships helpers_cpp, no Makefile
                (arguments, "_print_args", lambda f: _quiet_print_args),
                (training, "update_pg_timeout", _wrap_update_pg_timeout)]  # 900 lines of argument dump
-    if cpu_compat.needed():  # read_metadata's tracker all-reduce allocates on "cuda" (not in cpu_compat's list)
-        targets.append((checkpointing, "torch", lambda t: cpu_compat._cpu_torch()))
     saved = []
     for owner, name, wrap in targets:
         saved.append((owner, name, getattr(owner, name)))
