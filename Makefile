@@ -10,6 +10,7 @@ PYTHON_COMPAT ?= $(call find_python,3.11)
 VENV := .venv
 VENV_COMPAT := .venv-compat
 PYTEST_ARGS ?=
+RUN_ARGS ?=
 
 .PHONY: help setup setup-compat run test test-compat bench clean
 
@@ -37,7 +38,7 @@ setup: $(VENV)/.installed
 setup-compat: $(VENV_COMPAT)/.installed
 
 run: setup
-	$(VENV)/bin/megatron-longctx run
+	$(VENV)/bin/megatron-longctx run $(RUN_ARGS)
 
 test: setup
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests

@@ -1,16 +1,16 @@
-"""A small training engine on Megatron-Core: GPTModel, Megatron's DDP and optimizer, dist_checkpointing.
+"""A small training engine on Megatron-Core for the benchmark: GPTModel, Megatron's DDP and optimizer.
 
-Megatron-LM's ``megatron.training`` asserts CUDA in ``initialize_megatron``, so the main job and the
-benchmark drive Megatron-Core directly: ``parallel_state`` for the groups, ``GPTModel`` from a layer spec
-(Megatron's local spec, or the same spec through :func:`megatron_longctx.apply_to_spec`),
-``DistributedDataParallel`` (grad reduction over the ``dp_cp`` group),
-``get_forward_backward_func()`` (micro-batches), ``get_megatron_optimizer`` and
-``dist_checkpointing`` (``torch_dist``).  On a CPU-only process everything runs under
+The benchmark measures inside one process, so it drives Megatron-Core directly: ``parallel_state`` for
+the groups, ``GPTModel`` from a layer spec (Megatron's local spec, or the same spec through
+:func:`megatron_longctx.apply_to_spec`), ``DistributedDataParallel`` (grad reduction over the ``dp_cp``
+group), ``get_forward_backward_func()`` (micro-batches) and ``get_megatron_optimizer``, without
+checkpoints (the main job, :mod:`megatron_longctx.megatron.pretrain`, runs Megatron-LM's own training
+loop and its checkpoints).  On a CPU-only process everything runs under
 :func:`megatron_longctx.cpu_compat.enabled`.
 
-There is no substitute path: should Megatron's DDP grad sync, optimizer or ``dist_checkpointing`` fail
-(say a Megatron version that allocates on ``"cuda"`` somewhere cpu_compat does not know), the step
-raises that error, so a run never measures a plain equivalent under Megatron's name.
+There is no substitute path: should Megatron's DDP grad sync or optimizer fail (say a Megatron version
+that allocates on ``"cuda"`` somewhere cpu_compat does not know), the step raises that error, so a run
+never measures a plain equivalent under Megatron's name.
 
 Loss convention (Megatron's legacy 2-tuple ``loss_func``): each rank returns its masked token-loss sum
 divided by the token count of the *whole* micro-batch sequence; Megatron's schedule multiplies by the
@@ -66,10 +66,6 @@ class GPTShape:
                              f"--num-query-groups ({self.num_query_groups})")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
-
-
-# The former name, kept importable for callers not yet moved to GPTShape.
-ModelShape = GPTShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,38 +350,9 @@ class Trainer:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         return float(grad_norm if grad_norm is not None else math.nan)
 
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, directory: str, step: int) -> str:
-        """Save model + optimizer + ``step`` with Megatron's ``dist_checkpointing`` (``torch_dist``)."""
-        from megatron.core import dist_checkpointing
-
-        os.makedirs(directory, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(step), directory)
-        dist.barrier()
-        return directory
-
-    def load(self, directory: str) -> int:
-        """Load a checkpoint written by :meth:`save`; returns the step it was taken after."""
-        from megatron.core import dist_checkpointing
-
-        state = dist_checkpointing.load(self._sharded_state_dict(0), directory)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        return int(state["step"])
-
-    def _sharded_state_dict(self, step: int) -> dict[str, Any]:
-        model_sd = self.model.sharded_state_dict()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd), "step": step}
-
     def parameter_checksum(self) -> float:
         """Sum of |w| over this rank's parameters (equal inits across layouts give equal sums)."""
         return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
-
-    @property
-    def fallbacks(self) -> dict[str, str]:
-        """Substitutes taken for Megatron's DDP/optimizer/checkpointing: none, a failure raises (kept for callers)."""
-        return {}
 
     def close(self) -> None:
         from megatron.core import parallel_state

@@ -1,0 +1,289 @@
+"""One rank of the main job: Megatron-LM's ``pretrain`` with the plugin's providers.
+
+Started by :mod:`megatron_longctx.megatron.pretrain` under ``torchrun``::
+
+    python -m torch.distributed.run ... -m megatron_longctx.megatron.main_worker <Megatron and --longctx-* flags>
+
+The run-level settings that are not Megatron flags (which phase this is, where the per-step metrics
+go, whether to draw a progress bar, where to leave a failure marker) come in the JSON environment
+variable :data:`JOB_ENV`.  Hooks are put around Megatron's own functions for the duration of the
+run, and nothing else is changed:
+
+* ``train_step``: each finished step's loss (Megatron's ``lm loss``, reduced over ``dp_cp``), grad norm,
+  learning rate, time and memory per rank (CUDA peak; on CPU the RSS added since start, read at the end
+  of the step) go to ``metrics.jsonl`` and the progress bar;
+* ``update_pg_timeout``: the after-init timeout reaches every process group (the plugin's too);
+* ``save_checkpoint``: once Megatron has written an iteration folder and its tracker file, the
+  integrity manifest of that folder is written (:mod:`megatron_longctx.megatron.checkpoint_guard`);
+* ``compile_helpers`` skipped when the wheel's compiled ``helpers_cpp`` imports, and ``_print_args``
+  shortened to one line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+JOB_ENV = "LONGCTX_JOB"
+
+
+def job_settings() -> dict[str, Any]:
+    return json.loads(os.environ.get(JOB_ENV, "{}"))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class StepLog:
+    """Per-step rows on rank 0 (``metrics.jsonl``) and a tqdm bar; peaks gathered from every rank."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.name = settings.get("name", "plugin")
+        self.metrics = settings.get("metrics")
+        self.progress = settings.get("progress", True)
+        self.total = settings.get("total_steps")
+        self.bar: Any = None
+        self.started = False
+        self.base_rss = rss_bytes()
+
+    def _rank0(self) -> bool:
+        return dist.get_rank() == 0
+
+    def _start(self, first: int) -> None:
+        self.started = True
+        if not (self.progress and self._rank0()):
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=self.total, initial=first, desc=self.name, unit="step", dynamic_ncols=True,
+                        file=sys.stdout)
+
+    def peaks(self) -> list[int]:
+        if torch.cuda.is_available():
+            local = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            local = rss_bytes() - self.base_rss
+        t = torch.zeros(dist.get_world_size(), dtype=torch.int64,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+        t[dist.get_rank()] = local  # [world], one slot per rank
+        dist.all_reduce(t)
+        return [int(x) for x in t]
+
+    def add(self, step: int, loss: float, grad_norm: Optional[float], lr: float, seconds: float, tokens: int) -> None:
+        row = {"run": self.name, "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+               "step_time_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+               "peak_mem_bytes_per_rank": self.peaks(),
+               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if not self._rank0():
+            return
+        if not self.started:
+            self._start(step - 1)
+        if self.metrics:
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        mem = max(row["peak_mem_bytes_per_rank"]) / 2**20
+        text = f"loss {loss:.4f}  tok/s {row['tokens_per_s']:.0f}  mem/rank {mem:.0f} MiB"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"[{self.name}] step {step}/{self.total}  {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class StallWatchdog:
+    """Ends this rank when no step finishes within ``--distributed-timeout-seconds-after-init``.
+
+    Megatron applies that timeout to its groups with ``set_timeout``, which gloo's point-to-point sends
+    and receives (the CP ring) do not honour: they keep the creation-time ``--distributed-timeout-minutes``.
+    This thread holds the same bound per step (and per checkpoint save) on every rank, so a stuck peer
+    fails the job within the time the user set.
+    """
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self.seconds: Optional[float] = None
+        self.last = time.monotonic()
+        self.thread: Optional[threading.Thread] = None
+
+    def beat(self, seconds: Optional[float]) -> None:
+        self.last = time.monotonic()
+        if seconds is not None and self.thread is None:
+            self.seconds = float(seconds)
+            self.thread = threading.Thread(target=self._watch, daemon=True)
+            self.thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            idle = time.monotonic() - self.last
+            if self.seconds is not None and idle > self.seconds:
+                rank = os.environ.get("RANK", "0")
+                message = (f"rank {rank}: no step finished for {idle:.0f} s (--distributed-timeout-seconds-after-init "
+                           f"{self.seconds:.0f}): a rank is stuck or too slow; timeout")
+                print(message, file=sys.stderr, flush=True)
+                _fail_marker(self.settings, message)
+                os._exit(EXIT_STALLED)
+
+
+EXIT_STALLED = 3
+
+
+def _wrap_train_step(original: Callable, log: StepLog, watchdog: StallWatchdog) -> Callable:
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
+        margs = get_args()
+        watchdog.beat(None)
+        optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
+        lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        watchdog.beat(margs.distributed_timeout_seconds_after_init)
+        loss_dict, skipped, grad_norm = out[0], out[1], out[5]
+        if "lm loss" in loss_dict and not skipped:
+            value = loss_dict["lm loss"]
+            loss = float(value.item() if isinstance(value, torch.Tensor) else value)
+            tokens = margs.global_batch_size * margs.seq_length
+            log.add(margs.curr_iteration + 1, loss, None if grad_norm is None else float(grad_norm), lr, seconds,
+                    tokens)
+        return out
+
+    return train_step
+
+
+def _wrap_save_checkpoint(original: Callable, watchdog: StallWatchdog) -> Callable:
+    from megatron_longctx.megatron import checkpoint_guard
+
+    @functools.wraps(original)
+    def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
+        watchdog.beat(None)
+        out = original(iteration, *args, **kwargs)
+        watchdog.beat(None)
+        save_dir = get_args().save
+        if dist.get_rank() == 0:
+            checkpoint_guard.write_manifest(save_dir, iteration)
+        dist.barrier()
+        return out
+
+    return save_checkpoint
+
+
+def _install_hooks(log: StepLog, watchdog: StallWatchdog) -> list[tuple[Any, str, Any]]:
+    from megatron.core.datasets import utils as datasets_utils
+    from megatron.training import arguments, training
+
+    from megatron_longctx.megatron.launch import _skip_built_helpers
+
+    targets = [(training, "train_step", lambda f: _wrap_train_step(f, log, watchdog)),
+               (training, "save_checkpoint", lambda f: _wrap_save_checkpoint(f, watchdog)),
+               (datasets_utils, "compile_helpers", _skip_built_helpers),  # the wheel ships helpers_cpp, no Makefile
+               (arguments, "_print_args", lambda f: _quiet_print_args),
+               (training, "update_pg_timeout", _wrap_update_pg_timeout)]  # 900 lines of argument dump
+    saved = []
+    for owner, name, wrap in targets:
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrap(getattr(owner, name)))
+    return saved
+
+
+def _wrap_update_pg_timeout(original: Callable) -> Callable:
+    """Megatron's ``--distributed-timeout-seconds-after-init`` for every live group, not only Megatron's list:
+    the plugin's attention groups too (a stuck peer there must fail the job as soon as one in DDP would)."""
+
+    @functools.wraps(original)
+    def update_pg_timeout(timeout: Any, pg: Any = None) -> Any:
+        out = original(timeout, pg)
+        if pg is None:
+            from torch.distributed import distributed_c10d
+
+            for group in list(distributed_c10d._world.pg_map):
+                distributed_c10d._set_pg_timeout(timeout, group)
+        return out
+
+    return update_pg_timeout
+
+
+def _quiet_print_args(title: str, args: Any, *rest: Any, **kwargs: Any) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[megatron] {title}: {len(vars(args))} set (the job's flags are in its command line)", flush=True)
+
+
+def _fail_marker(settings: dict[str, Any], message: Optional[str] = None) -> None:
+    """Tell the launcher this rank failed, so it ends the job now rather than after torchrun's grace."""
+    folder = settings.get("marker_dir")
+    if folder:
+        rank = os.environ.get("RANK", "0")
+        with open(os.path.join(folder, f"rank{rank}.failed"), "w") as f:
+            f.write(message or traceback.format_exc())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    settings = job_settings()
+    try:
+        return _run(argv, settings)
+    except SystemExit as exc:  # Megatron's --exit-interval / signal handler exit: fine when the code is 0
+        if exc.code not in (0, None):
+            _fail_marker(settings)
+        raise
+    except BaseException:
+        _fail_marker(settings)
+        raise
+
+
+def _run(argv: list[str], settings: dict[str, Any]) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import providers
+    from megatron_longctx.megatron.args import add_longctx_args
+
+    sys.argv = [sys.argv[0], *argv]
+    log = StepLog(settings)
+    watchdog = StallWatchdog(settings)
+    saved = _install_hooks(log, watchdog)
+    try:
+        with cpu_compat.enabled():
+            args = parse_and_validate_args(extra_args_provider=add_longctx_args)
+            full_config = pretrain_cfg_container_from_args(args)  # no model config: our model_provider builds it
+            training.pretrain(full_config, providers.train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                              providers.forward_step, model_provider=providers.model_provider)
+    finally:
+        watchdog.seconds = None  # training is over: nothing to watch
+        log.close()
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The thin providers the main job hands to Megatron-LM's ``megatron.training.pretrain``.
+
+* :func:`model_provider`: Megatron's ``GPTModel`` from Megatron's local layer spec, with the plugin's
+  :class:`~megatron_longctx.megatron.core_attention.ContextParallelAttention` put into it by
+  :func:`~megatron_longctx.megatron.spec.transform_spec` (the ``--longctx-*`` flags); the baseline
+  comparison run (``LONGCTX_BASELINE=1``) builds the same model with Megatron's own attention.
+* :func:`train_valid_test_datasets_provider`: Megatron's ``GPTDataset`` over the standard-library
+  corpus at ``--data-path`` (see :mod:`megatron_longctx.megatron.data`), byte-level tokens.
+* :func:`forward_step` / :func:`loss_func`: ``pretrain_gpt.py``'s convention (per-token loss sum and
+  token count, Megatron reduces), with the batch cut by CP rank through Megatron's zigzag and kept on
+  the CPU when the process has no GPU.
+
+Everything else (optimizer, LR schedule, checkpoints, logging, NaN checks, timeouts) is Megatron's.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Any, Optional
+
+import torch
+
+from megatron_longctx.megatron import data as data_mod
+
+BASELINE_ENV = "LONGCTX_BASELINE"
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def is_baseline() -> bool:
+    return os.environ.get(BASELINE_ENV) == "1"
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                   config: Any = None, pg_collection: Any = None) -> Any:
+    """``GPTModel`` with the local spec (plugin attention unless the baseline run is asked for)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
+    if not is_baseline():
+        from megatron_longctx.megatron.args import config_from_args
+        from megatron_longctx.megatron.spec import transform_spec
+
+        spec = transform_spec(spec, config_from_args(args))
+    kwargs: dict[str, Any] = {}
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    if vp_stage is not None:
+        kwargs["vp_stage"] = vp_stage
+    model = GPTModel(config, spec, vocab_size=data_mod.padded_vocab_size(data_mod.ByteTokenizer()),
+                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                     post_process=post_process, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                     **kwargs)
+    if not is_baseline():
+        from megatron_longctx.megatron.args import config_from_args
+
+        memory = config_from_args(args).memory
+        if memory.any_enabled:
+            from megatron_longctx.memory import install
+
+            model._longctx_memory_handle = install(model, memory)
+    return model
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples: list, vp_stage: Optional[int] = None) -> tuple:
+    """Megatron's ``GPTDataset`` over ``--data-path`` (the stdlib corpus) for the training split only."""
+    from megatron.training import get_args
+
+    args = get_args()
+    if not args.data_path:
+        raise ValueError("--data-path is required: the main job passes the standard-library corpus it built")
+    train = data_mod.build_gpt_dataset(args.data_path[0], args.seq_length, train_val_test_num_samples[0], args.seed,
+                                       data_mod.ByteTokenizer(), cache_dir=args.data_cache_path)
+    return train, None, None
+
+
+train_valid_test_datasets_provider.is_distributed = True  # every rank builds it (Megatron syncs the index files)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def get_batch(data_iterator: Any) -> dict[str, torch.Tensor]:
+    """This rank's micro-batch: ``[mbs, s]`` tensors from the loader, zigzag-cut to ``[mbs, s/cp]``."""
+    from megatron.core import parallel_state
+
+    from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
+
+    sample = next(data_iterator)
+    batch = {k: sample[k].to(_device(), non_blocking=True) for k in BATCH_KEYS}  # [mbs, s]
+    return get_batch_on_this_cp_rank(batch, parallel_state.get_context_parallel_group())  # [mbs, s/cp]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+    """Local masked loss sum, local token count, and the report Megatron reduces over ``dp_cp``."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    losses = output_tensor.view(-1).float()  # [mbs * s/cp]
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    if get_args().check_for_nan_in_loss_and_grad:
+        machine = get_rerun_state_machine()
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
+                                    message=f"found {what} in local forward loss calculation")
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> tuple:
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    batch = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [mbs, s/cp]
+    return output, partial(loss_func, batch["loss_mask"])
