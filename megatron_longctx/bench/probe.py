@@ -13,11 +13,14 @@ resident memory added since the point began passes it; on GPU the caching alloca
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import json
+import logging
 import math
 import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -148,12 +151,24 @@ def _write(path: str, records: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str]) -> int:
-    from megatron_longctx.megatron.pretrain import _init_process_group, quiet_megatron
+def _quiet_megatron() -> None:
+    """Megatron's import-time and deprecation chatter (warnings, INFO logs) off; errors still show."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
 
+
+def _init_process_group() -> None:
+    """The default group of a probe under torchrun (NCCL with a GPU, else gloo)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+
+
+def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         task = json.load(f)
-    quiet_megatron()
+    _quiet_megatron()
     _init_process_group()
     try:
         with cpu_compat.enabled():

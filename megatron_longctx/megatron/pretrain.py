@@ -179,29 +179,6 @@ def run_job(own: argparse.Namespace, megatron_argv: list[str]) -> int:
     return 0 if ok else 1
 
 
-# ------------------------------------------------------------ for the benchmark's in-process probes
-def quiet_megatron() -> None:
-    """Megatron's import-time and deprecation chatter (warnings, INFO logs) off; errors still show."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("megatron").setLevel(logging.ERROR)
-
-
-def _init_process_group() -> None:
-    """The default group of a benchmark probe under torchrun (the main job's ranks are Megatron's)."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, megatron_argv = build_parser().parse_known_args(argv)
