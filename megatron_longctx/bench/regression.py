@@ -323,8 +323,42 @@ def _default_budget_mib(preset: str) -> float:
     return PRESETS[preset]["budget_mib"]
 
 
+# Numeric flags and their lowest allowed value (inclusive); the resolution is a fraction below 1.
+_AT_LEAST = {"nproc_per_node": 1, "steps": 1, "warmup": 0, "max_seq_start": 1, "max_seq_cap": 1,
+             "time_check_rounds": 0, "time_check_seq": 1, "num_layers": 1, "hidden_size": 1,
+             "num_attention_heads": 1, "num_query_groups": 1, "ffn_hidden_size": 1, "vocab_size": 1}
+_POSITIVE = ("lr", "budget_mib", "sweep_mem_limit_mib", "timeout")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every numeric flag in range, or ``parser.error`` (exit 2) naming the flag and what it takes."""
+    def bad(name: str, what: str) -> None:
+        parser.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: {what}")
+
+    for name, low in _AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            bad(name, f"give an integer >= {low}")
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            bad(name, "give a number > 0")
+    if not 0 < args.max_seq_resolution < 1:
+        bad("max_seq_resolution", "give a fraction between 0 and 1 (e.g. 0.25)")
+    if args.max_seq_cap < args.max_seq_start:
+        bad("max_seq_cap", f"must be >= --max-seq-start ({args.max_seq_start})")
+    try:
+        lengths = [int(s) for s in str(args.seq_lengths).split(",") if s.strip()]
+    except ValueError:
+        lengths = [0]
+    if not lengths or min(lengths) < 1:
+        bad("seq_lengths", "give comma-separated positive integers, e.g. 1024,2048,4096")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    check_args(parser, args)
     tolerance = compare_mod.parse_tolerance(args.tolerance)
     previous = None
     if args.compare:

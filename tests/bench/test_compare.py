@@ -128,3 +128,23 @@ def test_config_selection_and_availability():
     assert unavailable_reason(by_name[BASELINE], 2, 2) is None
     assert "CP >= 4" in unavailable_reason(by_name["hybrid"], 2, 2)
     assert "--num-query-groups" in unavailable_reason(by_name["ulysses"], 2, 1)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--nproc-per-node", "0"], "--nproc-per-node"),
+    (["--steps", "0"], "--steps"),
+    (["--budget-mib", "-1"], "--budget-mib"),
+    (["--max-seq-resolution", "1.5"], "--max-seq-resolution"),
+    (["--max-seq-start", "4096", "--max-seq-cap", "1024"], "--max-seq-cap"),
+    (["--seq-lengths", "1024,abc"], "--seq-lengths"),
+    (["--seq-lengths", "0"], "--seq-lengths"),
+    (["--hidden-size", "0"], "--hidden-size"),
+    (["--timeout", "0"], "--timeout"),
+])
+def test_bench_numeric_flags_are_checked(argv, flag, capsys):
+    from megatron_longctx.bench import regression
+
+    with pytest.raises(SystemExit) as exc:
+        regression.main(argv)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
