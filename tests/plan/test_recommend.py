@@ -72,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     try:
         from megatron.training.arguments import add_megatron_arguments
-    except ImportError:  # megatron-core < 0.19 ships no megatron.training: check our flags only
+    except ImportError:  # megatron-core < 0.19 ships no megatron.training: our flags and Megatron's recompute
+        parser.add_argument("--recompute-granularity", default=None)
+        parser.add_argument("--recompute-method", default=None)
+        parser.add_argument("--recompute-num-layers", type=int, default=None)
+        parser.add_argument("--recompute-modules", nargs="*", default=None)
         return add_longctx_args(parser), False
     return add_longctx_args(add_megatron_arguments(parser)), True
 
