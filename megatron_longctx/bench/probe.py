@@ -30,7 +30,8 @@ from megatron_longctx import cpu_compat
 from megatron_longctx.bench.configs import default_configs, tiles_for
 from megatron_longctx.megatron import data as data_mod
 from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
-                                                over_budget_exit, preimport_megatron, rss_bytes, run_steps)
+                                                over_budget_exit, preimport_megatron, run_steps)
+from megatron_longctx.memory.accounting import rss_bytes
 
 
 def model_flops_per_step(shape: GPTShape, tokens: int) -> float:

@@ -34,16 +34,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_longctx.memory.accounting import rss_bytes
+
 JOB_ENV = "LONGCTX_JOB"
 
 
 def job_settings() -> dict[str, Any]:
     return json.loads(os.environ.get(JOB_ENV, "{}"))
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class StepLog:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_longctx.memory.accounting import rss_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,12 +159,6 @@ def over_budget_exit(used: int, budget: int) -> None:
     print(f"[memory budget] rank {dist.get_rank() if dist.is_initialized() else 0}: {used / 2**20:.1f} MiB "
           f"> budget {budget / 2**20:.1f} MiB", flush=True)
     os._exit(EXIT_OVER_BUDGET)
-
-
-def rss_bytes() -> int:
-    """This process's resident set size (CPU memory in use)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def preimport_megatron() -> None:

@@ -147,7 +147,8 @@ def _trim_heap() -> None:
         pass
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """This process's resident set size (CPU memory in use)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -171,7 +172,7 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak_bytes = max(self.peak_bytes, _rss_bytes())
+            self.peak_bytes = max(self.peak_bytes, rss_bytes())
             time.sleep(self.interval_s)
 
     def __enter__(self) -> "PeakMemory":
@@ -181,7 +182,7 @@ class PeakMemory:
             self.start_bytes = self.peak_bytes = torch.cuda.memory_allocated(self.device)
         else:
             _trim_heap()
-            self.start_bytes = self.peak_bytes = _rss_bytes()
+            self.start_bytes = self.peak_bytes = rss_bytes()
             self._ru_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
@@ -195,7 +196,7 @@ class PeakMemory:
         self._stop.set()
         assert self._thread is not None
         self._thread.join()
-        self.peak_bytes = max(self.peak_bytes, _rss_bytes())
+        self.peak_bytes = max(self.peak_bytes, rss_bytes())
         ru_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if ru_after > self._ru_before:  # the process high-water mark was set inside the block
             self.peak_bytes = max(self.peak_bytes, ru_after)
