@@ -12,7 +12,8 @@ take the same path (a dense sequence is one document).
 
 Memory: q, k, v (and the gradients in backward) each travel in their own all-to-all, as
 DeepSpeed's ``DistributedAttention`` does, so at most one tensor's send buffer, receive buffer and
-reordered copy are alive at a time, not three of each.
+reordered copy are alive at a time, not three of each; the head-sharded tensors saved for backward
+are freed before the gradients travel back (:func:`a2a_ring_attention`).
 
 GQA/MQA with fewer K/V heads than ranks: K/V heads are replicated (``repeat_interleave`` by the
 smallest factor ``f`` dividing ``h_q/h_kv`` with ``h_kv*f`` divisible by ``U``,
@@ -28,8 +29,8 @@ import torch.distributed as dist
 from .args import AttentionArgs, kv_replication
 from .comm import all_to_all
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
-from .ring import ring_backward, ring_forward
-from .schedule import RingSchedule, ring_schedule
+from .ring import RingAttention
+from .schedule import ring_schedule
 
 
 def replicate_kv(x: torch.Tensor, f: int) -> torch.Tensor:
@@ -45,22 +46,53 @@ def reduce_replicas(dx: torch.Tensor, f: int) -> torch.Tensor:
     return dx.unflatten(2, (dx.shape[2] // f, f)).sum(3, dtype=acc).to(dx.dtype)  # [b, t, h_kv, d]
 
 
-def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, index) -> torch.Tensor:
+def in_halves(layout: SeqLayout, x: torch.Tensor) -> bool:
+    """Whether the all-to-alls of ``x`` ``[b, t, h, d]`` can land in their final place: one document and
+    one batch row.  A rank's shard is then its two chunks, and the coarse shard of its group is the
+    members' first chunks in rank order followed by their second chunks in reverse rank order."""
+    return layout.num_docs == 1 and x.shape[0] == 1
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, index, halves: bool = False) -> torch.Tensor:
     """``[b, t, h, d]`` (this rank's shard) -> ``[b, U*t, h/U, d]``: head group ``rank`` of the coarse shard.
 
-    ``index``: :func:`.layout.pooled_index` of the layout for ``U`` = size of ``group``.
+    ``index``: :func:`.layout.pooled_index` of the layout for ``U`` = size of ``group``.  ``halves``
+    (:func:`in_halves`): each chunk travels in its own all-to-all straight into the result, which
+    then needs no reordered copy (only the second half is flipped).
     """
     u = dist.get_world_size(group)
     b, t, h, d = x.shape
+    if halves:
+        c = t // 2
+        out = x.new_empty(b, u * t, h // u, d)  # [1, U*t, h/U, d]: 2U chunks of c tokens
+        for i in range(2):
+            send = x[:, i * c:(i + 1) * c].reshape(b, c, u, h // u, d).permute(2, 0, 1, 3, 4).contiguous()
+            all_to_all(send.view(u, -1), group, out=out[:, i * u * c:(i + 1) * u * c].view(u, -1))
+            del send  # [U (head group), b, c, h/U, d]
+        second = out[:, u * c:].view(u, b, c, h // u, d)  # [U (source rank), 1, c, h/U, d]
+        second.copy_(second.flip(0))  # the members' second chunks go last member first
+        return out
     send = x.view(b, t, u, h // u, d).permute(2, 0, 1, 3, 4).contiguous()  # [U (head group), b, t, h/U, d]
     recv = all_to_all(send.view(u, -1), group).view(u, b, t, h // u, d)  # [U (source rank), b, t, h/U, d]
     del send
     return from_ranks(recv, index)  # [b, U*t, h/U, d]
 
 
-def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, index) -> torch.Tensor:
-    """Inverse of :func:`seq_to_heads` (same ``index``): ``[b, U*t, h/U, d]`` -> ``[b, t, h, d]``."""
+def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, index, halves: bool = False) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads` (same ``index`` and ``halves``): ``[b, U*t, h/U, d]`` -> ``[b, t, h, d]``."""
     u = dist.get_world_size(group)
+    if halves:
+        b, ut, hh, d = y.shape
+        c = ut // u // 2
+        out = y.new_empty(b, 2 * c, u, hh, d)  # [1, t, U (head group), h/U, d]
+        for i in range(2):
+            chunks = y[:, i * u * c:(i + 1) * u * c].view(u, b, c, hh, d)  # [U (member), 1, c, h/U, d]
+            send = chunks.flip(0) if i else chunks  # the members' second chunks are stored last member first
+            recv = all_to_all(send.view(u, -1), group).view(u, b, c, hh, d)  # [U (head group), 1, c, h/U, d]
+            del send
+            out[:, i * c:(i + 1) * c] = recv.permute(1, 2, 0, 3, 4)
+            del recv
+        return out.view(b, 2 * c, u * hh, d)  # [b, t, h, d]
     send = to_ranks(y, u, index)  # [U (destination rank), b, t, h/U, d]
     _, b, t, hh, d = send.shape
     recv = all_to_all(send.view(u, -1), group).view(u, b, t, hh, d)  # [U (head group), b, t, h/U, d]
@@ -68,12 +100,34 @@ def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, index) -> torch.Tens
     return recv.permute(1, 2, 0, 3, 4).reshape(b, t, u * hh, d)  # [b, t, h, d]
 
 
-def _inner(layout: SeqLayout, u: int, args: AttentionArgs, device) -> tuple[RingSchedule, tuple]:
-    """The ring over the coarse layout (one rank for Ulysses) and the reordering index of the all-to-all."""
-    return ring_schedule(layout.coarsen(u), args.mask), pooled_index(layout, u, device)
+class _SeqToHeads(torch.autograd.Function):
+    """:func:`seq_to_heads` (after replicating K/V heads ``f`` times) as an autograd node; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, group, index, halves, f):
+        ctx.group, ctx.index, ctx.halves, ctx.f = group, index, halves, f
+        return seq_to_heads(replicate_kv(x.contiguous(), f), group, index, halves)
+
+    @staticmethod
+    def backward(ctx, dx_h):
+        dx = heads_to_seq(dx_h.contiguous(), ctx.group, ctx.index, ctx.halves)
+        return reduce_replicas(dx, ctx.f), None, None, None, None
 
 
-def a2a_ring_forward(
+class _HeadsToSeq(torch.autograd.Function):
+    """:func:`heads_to_seq` as an autograd node; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, y, group, index, halves):
+        ctx.group, ctx.index, ctx.halves = group, index, halves
+        return heads_to_seq(y.contiguous(), group, index, halves)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return seq_to_heads(dy.contiguous(), ctx.group, ctx.index, ctx.halves), None, None, None
+
+
+def a2a_ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -81,60 +135,21 @@ def a2a_ring_forward(
     ring_group: dist.ProcessGroup | None,
     layout: SeqLayout,
     args: AttentionArgs,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+) -> torch.Tensor:
     """q ``[b, t, h_q, d_qk]``, k/v ``[b, t, h_kv, d]`` (this rank's shard of ``layout``) -> out
-    ``[b, t, h_q, d_v]`` and what backward needs: the head-sharded q, k, v ``[b, U*t, h/U, d]``, their
-    out and lse.  ``ring_group`` None: Ulysses (``U = cp``, one local attention)."""
+    ``[b, t, h_q, d_v]``.  ``ring_group`` None: Ulysses (``U = cp``, one local attention).
+
+    Three autograd nodes, as DeepSpeed's ``DistributedAttention`` has them: the all-to-alls in, the
+    ring over the head-sharded tensors (:class:`.ring.RingAttention`, the only node that saves
+    anything), the all-to-all out.  In backward the engine frees the saved head-sharded q, k, v and
+    out as soon as the ring's gradients exist, before those travel back.
+    """
     u = dist.get_world_size(a2a_group)
-    schedule, index = _inner(layout, u, args, q.device)
+    schedule, index = ring_schedule(layout.coarsen(u), args.mask), pooled_index(layout, u, q.device)
     f = kv_replication(q.shape[2], k.shape[2], u)
-    q_h = seq_to_heads(q, a2a_group, index)  # [b, U*t, h_q/U, d_qk]
-    k_h = seq_to_heads(replicate_kv(k, f), a2a_group, index)  # [b, U*t, h_kv*f/U, d_qk]
-    v_h = seq_to_heads(replicate_kv(v, f), a2a_group, index)  # [b, U*t, h_kv*f/U, d_v]
-    out_h, lse = ring_forward(q_h, k_h, v_h, ring_group, schedule, args)  # [b, U*t, h_q/U, d_v]
-    out = heads_to_seq(out_h, a2a_group, index)  # [b, t, h_q, d_v]
-    return out, (q_h, k_h, v_h, out_h, lse)
-
-
-def a2a_ring_backward(
-    dout: torch.Tensor,
-    saved: tuple[torch.Tensor, ...],
-    a2a_group: dist.ProcessGroup,
-    ring_group: dist.ProcessGroup | None,
-    layout: SeqLayout,
-    args: AttentionArgs,
-    kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`a2a_ring_forward`; ``dout`` ``[b, t, h_q, d_v]``; ``kv_heads``: h_kv before
-    replication.  Each head-sharded gradient is freed once it has travelled back."""
-    q_h, k_h, v_h, out_h, lse = saved
-    u = dist.get_world_size(a2a_group)
-    schedule, index = _inner(layout, u, args, dout.device)
-    dout_h = seq_to_heads(dout, a2a_group, index)  # [b, U*t, h_q/U, d_v]
-    grads = list(ring_backward(dout_h, q_h, k_h, v_h, out_h, lse, ring_group, schedule, args))
-    del dout_h
-    f = k_h.shape[2] * u // kv_heads
-    back = []
-    for i in range(3):
-        g = heads_to_seq(grads[i], a2a_group, index)  # [b, t, h, d]
-        grads[i] = None  # the head-sharded gradient is no longer needed
-        back.append(g if i == 0 else reduce_replicas(g, f))
-    return back[0], back[1], back[2]
-
-
-class A2ARingAttention(torch.autograd.Function):
-    """Autograd wrapper of :func:`a2a_ring_forward` / :func:`a2a_ring_backward`."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, a2a_group, ring_group, layout, args):
-        out, saved = a2a_ring_forward(q.contiguous(), k.contiguous(), v.contiguous(), a2a_group, ring_group,
-                                      layout, args)
-        ctx.save_for_backward(*saved)
-        ctx.groups, ctx.layout, ctx.args, ctx.kv_heads = (a2a_group, ring_group), layout, args, k.shape[2]
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        dq, dk, dv = a2a_ring_backward(dout.contiguous(), ctx.saved_tensors, *ctx.groups, ctx.layout, ctx.args,
-                                       ctx.kv_heads)
-        return dq, dk, dv, None, None, None, None
+    halves = in_halves(layout, q)
+    q_h = _SeqToHeads.apply(q, a2a_group, index, halves, 1)  # [b, U*t, h_q/U, d_qk]
+    k_h = _SeqToHeads.apply(k, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_qk]
+    v_h = _SeqToHeads.apply(v, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_v]
+    out_h = RingAttention.apply(q_h, k_h, v_h, ring_group, schedule, args)  # [b, U*t, h_q/U, d_v]
+    return _HeadsToSeq.apply(out_h, a2a_group, index, halves)  # [b, t, h_q, d_v]

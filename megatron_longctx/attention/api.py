@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..kernels.base import BlockMask
 from ..kernels.select import get_kernel
-from .a2a_ring import A2ARingAttention
+from .a2a_ring import a2a_ring_attention
 from .agreement import check_ranks_agree
 from .allgather import AllGatherAttention
 from .args import (
@@ -181,7 +181,7 @@ def _attend(q, k, v, cp_group, layout: SeqLayout, args: AttentionArgs, algorithm
         return AllGatherAttention.apply(q, k, v, cp_group, layout, args)
     if a2a_group is None:  # the ring over cp_group (one rank: local attention)
         return RingAttention.apply(q, k, v, ring_group, ring_schedule(layout, args.mask), args)
-    return A2ARingAttention.apply(q, k, v, a2a_group, ring_group, layout, args)
+    return a2a_ring_attention(q, k, v, a2a_group, ring_group, layout, args)
 
 
 def schedule_flops(

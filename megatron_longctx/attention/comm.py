@@ -136,12 +136,12 @@ class RingComm:
         self._requests, self._buffers = None, []
 
 
-def all_to_all(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all(send: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None) -> torch.Tensor:
     """``send[j]`` goes to rank ``j``; returns ``recv`` with ``recv[i]`` from rank ``i``.
 
-    ``send`` ``[P, n]`` contiguous -> ``[P, n]``.
+    ``send`` ``[P, n]`` contiguous -> ``[P, n]`` (written into ``out`` when given: contiguous, same shape).
     """
-    recv = torch.empty_like(send)
+    recv = torch.empty_like(send) if out is None else out
     dist.all_to_all_single(recv, send, group=group)  # [P, n] -> [P, n]
     STATS.add("all_to_all", _nbytes(send) * (send.shape[0] - 1) // send.shape[0])
     return recv
