@@ -38,11 +38,13 @@ def attention(q, k, v, scale: float, seen: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.einsum("bhqk,bkhd->bqhd", p, vx), lse
 
 
-def sequence_attention(q, k, v, causal: bool, window, scale: float) -> torch.Tensor:
-    """Megatron's ``[s, b, h, d]`` self-attention over the whole sequence -> out ``[s, b, h_q, d_v]``."""
+def sequence_attention(q, k, v, causal: bool, window, scale: float, mask=None) -> torch.Tensor:
+    """Megatron's ``[s, b, h, d]`` self-attention over the whole sequence -> out ``[s, b, h_q, d_v]``;
+    ``mask``: an ``[s, s]`` bool of the pairs that may attend at all (a dense mask), on top of the rest."""
     pos = torch.arange(q.shape[0])
+    seen = visible(pos, pos, causal, window)
     out, _ = attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale,
-                       visible(pos, pos, causal, window))  # [b, s, h_q, d_v]
+                       seen if mask is None else seen & mask)  # [b, s, h_q, d_v]
     return out.transpose(0, 1)
 
 

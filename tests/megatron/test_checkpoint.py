@@ -5,7 +5,8 @@ import io
 import torch
 
 from tests.dist import megatron_parallel, run_ranks
-from tests.megatron._models import WORLD, build_gpt, global_batch, local_spec, tiny_config
+from tests.gpt_kit import WORLD, build_gpt, local_spec, tiny_config
+from tests.gpt_kit import batch as global_batch
 
 
 def _roundtrip(state):

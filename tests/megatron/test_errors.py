@@ -4,33 +4,38 @@ import pytest
 import torch
 
 from tests.dist import megatron_parallel, run_ranks
-from tests.megatron._models import WORLD
-from tests.megatron.test_core_attention import _config, _inputs, _module, _zigzag
+from tests.gpt_kit import WORLD
+from tests.megatron.attention_kit import (
+    attention_config,
+    cp_attention,
+    qkv_inputs,
+    zigzag,
+)
 
 
 def test_unknown_cp_comm_type():
     with pytest.raises(ValueError, match="--cp-comm-type 'bogus'"):
-        _module(_config(cp_comm_type="bogus"))
+        cp_attention(attention_config(cp_comm_type="bogus"))
 
 
 def test_hybrid_needs_its_group_size():
     with pytest.raises(ValueError, match="--hierarchical-context-parallel-sizes"):
-        _module(_config(cp_comm_type="a2a+p2p"))
+        cp_attention(attention_config(cp_comm_type="a2a+p2p"))
 
 
 def test_softmax_type_attention_bias_cross_attention():
     with pytest.raises(ValueError, match="--softmax-type"):
-        _module(_config(softmax_type="off-by-one"))
-    q, k, v, _ = _inputs()
+        cp_attention(attention_config(softmax_type="off-by-one"))
+    q, k, v, _ = qkv_inputs()
     with pytest.raises(ValueError, match="attention_bias"):
-        _module()(q, k, v, None, attention_bias=torch.zeros(1))
+        cp_attention()(q, k, v, None, attention_bias=torch.zeros(1))
     with pytest.raises(ValueError, match="self-attention only"):
-        _module(attention_type="cross")
+        cp_attention(attention_type="cross")
 
 
 def test_newer_megatron_keywords_are_tolerated():
-    q, k, v, _ = _inputs()
-    module = _module(pp_layer_offset=0, a_keyword_from_a_future_megatron=True)
+    q, k, v, _ = qkv_inputs()
+    module = cp_attention(pp_layer_offset=0, a_keyword_from_a_future_megatron=True)
     assert module(q, k, v, None, a_future_forward_keyword=None).shape == (q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
 
 
@@ -40,7 +45,7 @@ def test_per_layer_list_too_short():
     from megatron_longctx import ContextParallelAttention
 
     with pytest.raises(ValueError, match="--cp-comm-type lists 1 values but layer 2"):
-        ContextParallelAttention(config=_config(num_layers=1, cp_comm_type=["p2p"]), layer_number=2,
+        ContextParallelAttention(config=attention_config(num_layers=1, cp_comm_type=["p2p"]), layer_number=2,
                                  attn_mask_type=AttnMaskType.causal)
 
 
@@ -54,15 +59,15 @@ def _cp2_errors():
 
     with cpu_compat.enabled(), megatron_parallel(cp=2):
         rank = parallel_state.get_context_parallel_rank()
-        cfg = _config(context_parallel_size=2, cp_comm_type="p2p")
-        q, k, v, _ = _inputs()
-        local = [_zigzag(x, rank, 2) for x in (q, k, v)]
+        cfg = attention_config(context_parallel_size=2, cp_comm_type="p2p")
+        q, k, v, _ = qkv_inputs()
+        local = [zigzag(x, rank, 2) for x in (q, k, v)]
         dense = torch.zeros(1, 1, 8, 16, dtype=torch.bool)
         with pytest.raises(ValueError, match="arbitrary dense attention_mask.*--context-parallel-size 2"):
-            _module(cfg, AttnMaskType.arbitrary)(*local, dense)
+            cp_attention(cfg, AttnMaskType.arbitrary)(*local, dense)
         with pytest.raises(ValueError, match="--seq-length must be divisible by 2 x --context-parallel-size"):
-            _module(cfg)(*(x[:7] for x in local), None)
-        train = _module(_config(context_parallel_size=2, cp_comm_type="p2p", attention_dropout=0.1))
+            cp_attention(cfg)(*(x[:7] for x in local), None)
+        train = cp_attention(attention_config(context_parallel_size=2, cp_comm_type="p2p", attention_dropout=0.1))
         with pytest.raises(ValueError, match="--attention-dropout 0"):
             train(*local, None)
         train.eval()
@@ -70,9 +75,9 @@ def _cp2_errors():
         thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_kv=torch.tensor([0, 8]))
         # Packed input must be this rank's share of the global cu_seqlens: 8 global tokens are 4 per rank.
         with pytest.raises(ValueError, match="cu_seqlens_padded.*per rank over cp=2"):
-            _module(cfg, AttnMaskType.padding_causal)(*(x[:, 0] for x in local), None, packed_seq_params=thd)
+            cp_attention(cfg, AttnMaskType.padding_causal)(*(x[:, 0] for x in local), None, packed_seq_params=thd)
         with pytest.raises(ValueError, match="Ulysses.*--num-attention-heads"):
-            _module(_config(hidden_size=24, num_attention_heads=3, num_query_groups=1, context_parallel_size=2,
+            cp_attention(attention_config(hidden_size=24, num_attention_heads=3, num_query_groups=1, context_parallel_size=2,
                             cp_comm_type="a2a"))
         with pytest.raises(ValueError, match="--seq-length divisible by 4"):
             get_batch_on_this_cp_rank({"tokens": torch.zeros(2, 6, dtype=torch.long)},

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.dist import megatron_parallel, run_ranks
-from tests.megatron._models import WORLD, build_gpt, global_batch, local_spec, loss_and_grads, tiny_config
+from tests.gpt_kit import WORLD, build_gpt, local_spec, loss_and_grads, tiny_config
+from tests.gpt_kit import batch as global_batch
 
 # (tp, cp, cp_comm_type, --longctx-cp-algorithm, mla, hierarchical sizes, extra config)
 CASES = [

@@ -10,7 +10,7 @@ import pytest
 from megatron_longctx.config import ContextParallelConfig, LongContextConfig
 from megatron_longctx.megatron import launch
 from tests.dist import megatron_parallel, run_ranks
-from tests.megatron._models import WORLD
+from tests.gpt_kit import WORLD
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -80,7 +80,7 @@ def _model_hook():
 
     from megatron_longctx import cpu_compat
     from megatron_longctx.megatron.core_attention import ContextParallelAttention
-    from tests.megatron._models import build_gpt, local_spec, tiny_config
+    from tests.gpt_kit import build_gpt, local_spec, tiny_config
 
     with cpu_compat.enabled(), megatron_parallel(cp=2):
         launch.install(LongContextConfig(cp=ContextParallelConfig(cp_algorithm="allgather")))
@@ -197,7 +197,7 @@ def test_script_hooks():
 
     from megatron_longctx.megatron.script_hooks import extra_args_provider, longctx_layer_spec
     from megatron_longctx.megatron.spec import count_context_parallel_attention
-    from tests.megatron._models import local_spec
+    from tests.gpt_kit import local_spec
 
     def other(parser):
         parser.add_argument("--other-flag", type=int, default=1)
@@ -221,7 +221,7 @@ def test_patch_019_layer_spec_with_megatrons_default():
         pytest.skip("megatron.training.models.gpt (the 0.19 model config) is not in this Megatron-Core")
     from megatron_longctx.megatron.script_hooks import longctx_layer_spec
     from megatron_longctx.megatron.spec import count_context_parallel_attention
-    from tests.megatron._models import tiny_config
+    from tests.gpt_kit import tiny_config
 
     model_cfg = GPTModelConfig(transformer=tiny_config(transformer_impl="local"), vocab_size=64)
     cfg = LongContextConfig(cp=ContextParallelConfig(cp_algorithm="ring"))

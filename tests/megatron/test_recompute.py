@@ -3,7 +3,8 @@
 import torch
 
 from tests.dist import run_ranks, megatron_parallel
-from tests.megatron._models import WORLD, build_gpt, global_batch, local_spec, loss_and_grads, tiny_config
+from tests.gpt_kit import WORLD, build_gpt, local_spec, loss_and_grads, tiny_config
+from tests.gpt_kit import batch as global_batch
 
 RECOMPUTE = [
     {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},

@@ -12,7 +12,7 @@ from megatron_longctx.config import ContextParallelConfig, LongContextConfig
 from megatron_longctx.megatron.core_attention import ContextParallelAttention
 from megatron_longctx.megatron.spec import count_context_parallel_attention
 from tests.dist import megatron_parallel, run_ranks
-from tests.megatron._models import WORLD, tiny_config
+from tests.gpt_kit import WORLD, tiny_config
 
 
 def _core_attentions(spec):
@@ -216,7 +216,7 @@ def _moe_block_model():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_longctx import cpu_compat
-    from tests.megatron._models import build_gpt
+    from tests.gpt_kit import build_gpt
 
     with cpu_compat.enabled(), megatron_parallel(cp=2):
         cfg = tiny_config(1, 2, num_moe_experts=2, moe_layer_freq=[1, 0], moe_router_topk=1,

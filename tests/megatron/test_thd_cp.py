@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import megatron_parallel, run_ranks
-from tests.megatron._models import VOCAB, build_gpt, local_spec, tiny_config
+from tests.gpt_kit import VOCAB, build_gpt, local_spec, tiny_config
 
 LENGTHS = (5, 1, 13, 3)  # a document of one token, lengths not divisible by 2·cp
 

@@ -15,14 +15,15 @@ import torch.distributed as dist
 def main(module: str) -> None:
     sys.setrecursionlimit(400)
     from tests.dist import free_port, megatron_parallel
-    from tests.memory.gpt import batch, build_gpt, cpu
+    from tests.gpt_kit import ORACLE, ORACLE_SEQ, batch, build_gpt, cpu
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     try:
         with cpu(), megatron_parallel():
-            model = build_gpt(recompute_granularity="selective", recompute_modules=[module], add_bias_linear=True)
-            tokens, pos = batch()
+            model = build_gpt(**ORACLE, recompute_granularity="selective", recompute_modules=[module], add_bias_linear=True)
+            b = batch(seq=ORACLE_SEQ)
+            tokens, pos = b["tokens"], b["position_ids"]
             loss = model(tokens, pos, None, labels=tokens).sum()
             print("FORWARD DONE", flush=True)
             loss.backward()

@@ -5,7 +5,7 @@ import torch
 from megatron_longctx.memory import MemoryConfig, hooks
 from megatron_longctx.memory.accounting import PeakMemory, SavedTensorAccountant
 from tests.dist import megatron_parallel, run_ranks
-from tests.memory.gpt import batch, build_gpt, cpu
+from tests.gpt_kit import ORACLE, ORACLE_SEQ, batch, build_gpt, cpu
 
 
 def test_counts_each_storage_once_and_never_parameters():
@@ -37,9 +37,10 @@ def _features_lower_resident_bytes():
     from megatron_longctx.memory import install
 
     def resident(cfg):
-        model = build_gpt(dropout=0.0)
+        model = build_gpt(**{**ORACLE, "dropout": 0.0})
         handle = install(model, cfg) if cfg is not None else None
-        tokens, pos = batch()
+        b = batch(seq=ORACLE_SEQ)
+        tokens, pos = b["tokens"], b["position_ids"]
         with SavedTensorAccountant(model) as acc:
             loss = model(tokens, pos, None, labels=tokens).sum()
         loss.backward()

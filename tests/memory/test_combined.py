@@ -5,7 +5,15 @@ The oracle is the same model without memory features under the same parallel lay
 
 from megatron_longctx.memory import MemoryConfig
 from tests.dist import megatron_parallel, run_ranks
-from tests.memory.gpt import assert_same, batch, build_gpt, cpu, loss_and_grads
+from tests.gpt_kit import (
+    ORACLE,
+    ORACLE_SEQ,
+    assert_same,
+    batch,
+    build_gpt,
+    cpu,
+    loss_and_grads,
+)
 
 TOGETHER = [
     MemoryConfig(recompute_granularity="full", offload_policy="checkpoint", offload_target="disk", offload_min_bytes=0,
@@ -28,15 +36,15 @@ def _cp2_all_features():
         cp_group = parallel_state.get_context_parallel_group()
         batches = []
         for seed in range(2):
-            tokens, pos = batch(seed=seed)
-            local = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": pos}, cp_group)
-            batches.append((local["tokens"], local["position_ids"]))
+            b = batch(seed=seed, seq=ORACLE_SEQ)
+            batches.append(get_batch_on_this_cp_rank({"tokens": b["tokens"], "position_ids": b["position_ids"]},
+                                                     cp_group))
         common = dict(attention_dropout=0.0, context_parallel_size=2)
-        plain = build_gpt(spec=apply_to_spec(get_gpt_layer_local_spec()), **common)
+        plain = build_gpt(**ORACLE, spec=apply_to_spec(get_gpt_layer_local_spec()), **common)
         ref = loss_and_grads(plain, batches=batches)
         for cfg in TOGETHER:
             options = {"tiled_mlp_tiles": cfg.tiled_mlp_tiles}  # the spec-level part through apply_to_spec
-            model = build_gpt(spec=apply_to_spec(get_gpt_layer_local_spec(), **options), **common)
+            model = build_gpt(**ORACLE, spec=apply_to_spec(get_gpt_layer_local_spec(), **options), **common)
             handle = install(model, cfg)
             got = loss_and_grads(model, batches=batches)
             # Megatron's cross-entropy runs in float32, the tiled loss in the model's float64
@@ -53,9 +61,9 @@ def _tp2_all_features():
     from megatron_longctx.memory import install
 
     with cpu(), megatron_parallel(tp=2):
-        ref = loss_and_grads(build_gpt(), steps=2)
+        ref = loss_and_grads(build_gpt(**ORACLE), steps=2)
         for cfg in TOGETHER:
-            model = build_gpt()
+            model = build_gpt(**ORACLE)
             handle = install(model, cfg)
             assert_same(ref, loss_and_grads(model, steps=2), rtol=1e-5, atol=1e-7)
             handle.remove()

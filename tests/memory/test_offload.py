@@ -16,7 +16,7 @@ from megatron_longctx.memory import MemoryConfig, hooks
 from megatron_longctx.memory.host_pool import HostPool
 from megatron_longctx.memory.offload import ActivationOffloader
 from tests.dist import megatron_parallel, run_ranks
-from tests.memory.gpt import assert_same, build_gpt, cpu, loss_and_grads
+from tests.gpt_kit import ORACLE, assert_same, build_gpt, cpu, loss_and_grads
 
 
 def _chain(x, w, offloader, layers=3):
@@ -157,26 +157,30 @@ GPT_CASES = [
 ]
 
 
-def _policies_match_plain(cases):
+GPT_CASE_IDS = ["full-checkpoint-disk", "full-block1-checkpoint-disk", "modules-all-disk", "layers1-disk",
+                "layers-unprefetched-disk", "selective-with-modules-disk", "full-checkpoint-host"]
+
+
+def _policies_match_plain(cfg):
     from megatron_longctx.memory import install
 
     with cpu(), megatron_parallel(tp=2):
-        ref = loss_and_grads(build_gpt())
-        for cfg in cases:
-            model = build_gpt()
-            handle = install(model, cfg)
-            got = loss_and_grads(model)
-            assert_same(ref, got)
-            stats = handle.offloader.stats
-            if cfg.offload_target == "disk":
-                assert stats.offloaded_bytes > 0 and stats.fetched_bytes > 0, (cfg, stats)
-            else:
-                assert stats.host_noop_bytes > 0 and stats.offloaded_bytes == 0, (cfg, stats)
-            handle.remove()
+        ref = loss_and_grads(build_gpt(**ORACLE))
+        model = build_gpt(**ORACLE)
+        handle = install(model, cfg)
+        got = loss_and_grads(model)
+        assert_same(ref, got)
+        stats = handle.offloader.stats
+        if cfg.offload_target == "disk":
+            assert stats.offloaded_bytes > 0 and stats.fetched_bytes > 0, (cfg, stats)
+        else:
+            assert stats.host_noop_bytes > 0 and stats.offloaded_bytes == 0, (cfg, stats)
+        handle.remove()
 
 
-def test_every_policy_matches_plain_model_tp2():
-    run_ranks(2, _policies_match_plain, GPT_CASES)
+@pytest.mark.parametrize("cfg", GPT_CASES, ids=GPT_CASE_IDS)
+def test_every_policy_matches_plain_model_tp2(cfg):
+    run_ranks(2, _policies_match_plain, cfg)
 
 
 def _microbatches_in_flight():
@@ -184,14 +188,15 @@ def _microbatches_in_flight():
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_longctx.memory import install
-    from tests.memory.gpt import batch
+    from tests.gpt_kit import ORACLE_SEQ, batch
 
     def run(model, in_flight=None):
         torch.manual_seed(5)
         model_parallel_cuda_manual_seed(5)
         losses = []
         for mb in range(3):
-            tokens, pos = batch(seed=mb)
+            b = batch(seed=mb, seq=ORACLE_SEQ)
+            tokens, pos = b["tokens"], b["position_ids"]
             losses.append(model(tokens, pos, None, labels=tokens).double().mean())
         if in_flight is not None:
             in_flight()
@@ -200,11 +205,11 @@ def _microbatches_in_flight():
         return torch.stack(losses).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     with cpu(), megatron_parallel(tp=2):
-        ref = run(build_gpt())
+        ref = run(build_gpt(**ORACLE))
         for cfg in (MemoryConfig(recompute_granularity="full", offload_policy="checkpoint", offload_target="disk",
                                  offload_min_bytes=0),
                     MemoryConfig(offload_policy="layers", offload_target="disk", offload_min_bytes=0)):
-            model = build_gpt()
+            model = build_gpt(**ORACLE)
             handle = install(model, cfg)
             keys = set()
             got = run(model, lambda: keys.update(handle.offloader._groups))

@@ -151,16 +151,16 @@ def _wired_gpt_with_recorded_streams():
     """``memory.install`` on a GPTModel with the stream double: 3 steps, the parameters moved into one
     flat buffer after install (as DDP's buffer), against the plain model."""
     from megatron_longctx.memory import install, streams
-    from tests.memory.gpt import assert_same, build_gpt, cpu, loss_and_grads
+    from tests.gpt_kit import ORACLE, assert_same, build_gpt, cpu, loss_and_grads
     from tests.dist import megatron_parallel
 
     with cpu(), megatron_parallel(tp=2):
-        ref = loss_and_grads(build_gpt(), steps=3)
+        ref = loss_and_grads(build_gpt(**ORACLE), steps=3)
         ops = RecordingOps(auto_land=False)
         original = streams.device_ops
         streams.device_ops = lambda: ops
         try:
-            model = build_gpt()
+            model = build_gpt(**ORACLE)
             cfg = MemoryConfig(recompute_granularity="full", offload_policy="checkpoint", offload_target="host",
                                offload_min_bytes=0, offload_max_inflight=2)
             handle = install(model, cfg)

@@ -9,7 +9,7 @@ import torch
 
 from megatron_longctx.memory import MemoryConfig
 from tests.dist import megatron_parallel, run_ranks
-from tests.memory.gpt import assert_same, batch, cpu
+from tests.gpt_kit import ORACLE_SEQ, assert_same, batch, cpu
 
 MICROBATCHES = 4
 
@@ -36,7 +36,8 @@ def _stage_model():
 
 
 def _forward_step(data_iterator, model):
-    tokens, pos = next(data_iterator)
+    b = next(data_iterator)
+    tokens, pos = b["tokens"], b["position_ids"]
     out = model(tokens, pos, None, labels=torch.roll(tokens, -1, dims=1))
 
     def loss_func(per_token):
@@ -56,7 +57,7 @@ def _run_schedule(cfg):
     handle = install(model, cfg) if cfg is not None else None
     torch.manual_seed(7)
     model_parallel_cuda_manual_seed(7)
-    data = iter([batch(seed=i) for i in range(MICROBATCHES)])
+    data = iter([batch(seed=i, seq=ORACLE_SEQ) for i in range(MICROBATCHES)])
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step, data_iterator=data, model=[model], num_microbatches=MICROBATCHES,
         seq_length=32, micro_batch_size=2, forward_only=False,

@@ -15,7 +15,7 @@ import torch
 from megatron_longctx.memory import MemoryConfig
 from megatron_longctx.memory.recompute import RngSnapshot, checkpoint
 from tests.dist import megatron_parallel, run_ranks
-from tests.memory.gpt import assert_same, build_gpt, cpu, loss_and_grads
+from tests.gpt_kit import ORACLE, assert_same, build_gpt, cpu, loss_and_grads
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -83,30 +83,36 @@ CASES = [
 ]
 
 
-def _recompute_matches_plain(cases):
+def _recompute_matches_plain(cfg):
     from megatron_longctx.memory import install
 
     with cpu(), megatron_parallel(tp=2):
-        ref = loss_and_grads(build_gpt(add_bias_linear=True))
-        for cfg in cases:
-            model = build_gpt(add_bias_linear=True)
-            handle = install(model, cfg)
-            got = loss_and_grads(model)
-            assert_same(ref, got)
-            handle.remove()
-            assert "forward" not in model.decoder.layers[0].__dict__
-            assert_same(ref, loss_and_grads(build_gpt(add_bias_linear=True)))  # unchanged after remove()
+        ref = loss_and_grads(build_gpt(**ORACLE, add_bias_linear=True))
+        model = build_gpt(**ORACLE, add_bias_linear=True)
+        handle = install(model, cfg)
+        got = loss_and_grads(model)
+        assert_same(ref, got)
+        handle.remove()
+        assert "forward" not in model.decoder.layers[0].__dict__
+        assert_same(ref, loss_and_grads(build_gpt(**ORACLE, add_bias_linear=True)))  # unchanged after remove()
 
 
-def test_recompute_matches_plain_model_tp2_with_dropout():
-    run_ranks(2, _recompute_matches_plain, CASES)
+def _case_id(cfg):
+    if cfg.recompute_granularity == "full":
+        return f"full-{cfg.recompute_method}{cfg.recompute_num_layers or ''}"
+    return "selective-" + "+".join(cfg.recompute_modules)
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=_case_id)
+def test_recompute_matches_plain_model_tp2_with_dropout(cfg):
+    run_ranks(2, _recompute_matches_plain, cfg)
 
 
 def _megatron_recompute_refused_with_ours_on():
     from megatron_longctx.memory import install
 
     with cpu(), megatron_parallel(tp=2):
-        model = build_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        model = build_gpt(**ORACLE, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         with pytest.raises(ValueError, match="--recompute-granularity: the plugin runs the recompute"):
             install(model, MemoryConfig(recompute_granularity="full"))
 

@@ -8,7 +8,15 @@ import torch
 
 from megatron_longctx.memory import MemoryConfig
 from tests.dist import megatron_parallel, run_ranks
-from tests.memory.gpt import assert_same, batch, build_gpt, cpu, loss_and_grads
+from tests.gpt_kit import (
+    ORACLE,
+    ORACLE_SEQ,
+    assert_same,
+    batch,
+    build_gpt,
+    cpu,
+    loss_and_grads,
+)
 
 
 def _loss_matches_vocab_parallel_cross_entropy():
@@ -125,11 +133,11 @@ def _gpt_tiled_matches_plain():
 
     extra: dict = {}  # sequence parallel needs TE/Apex norms: not buildable on CPU
     with cpu(), megatron_parallel(tp=2):
-        plain = build_gpt(**extra)
+        plain = build_gpt(**ORACLE, **extra)
         ref = loss_and_grads(plain)
         # spec route: TiledMLP built from the layer spec, same state_dict keys and values
         spec = apply_memory_to_layer_spec(get_gpt_layer_local_spec(), MemoryConfig(tiled_mlp_tiles=3))
-        model = build_gpt(spec=spec, **extra)
+        model = build_gpt(**ORACLE, spec=spec, **extra)
         assert isinstance(model.decoder.layers[0].mlp, tiled_mlp_type())
         assert model.state_dict().keys() == plain.state_dict().keys()
         for key, value in plain.state_dict().items():
@@ -140,10 +148,11 @@ def _gpt_tiled_matches_plain():
         assert_same(ref, loss_and_grads(model), rtol=1e-5, atol=1e-7)
         handle.remove()
         # module-wrapper route on a plain model, with full recompute on top
-        model = build_gpt(**extra)
+        model = build_gpt(**ORACLE, **extra)
         handle = install(model, MemoryConfig(tiled_mlp_tiles=4, tiled_loss_tiles=3, recompute_granularity="full"))
         assert_same(ref, loss_and_grads(model), rtol=1e-5, atol=1e-7)
-        tokens, position_ids = batch()
+        b = batch(seq=ORACLE_SEQ)
+        tokens, position_ids = b["tokens"], b["position_ids"]
         logits = model(tokens, position_ids, None)  # no labels: Megatron's logits path, untouched
         assert logits.shape == (tokens.shape[0], tokens.shape[1], 32)  # this TP rank's vocabulary shard
         handle.remove()
