@@ -257,13 +257,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
         roles = {c["name"]: c["role"] for c in result["configs"]}
         result["max_seq"].update(max_seq_headline(result["max_seq"]["results"], roles, REFERENCE))
         log(headline_line(result["max_seq"]))
-    check = _time_check_plan(args, result, runnable)
+    check = _time_check_case(args, result, runnable)
     if check and args.time_check_rounds > 0:
         result["time_check"] = time_check(args, base_task, *check, log)
     return result
 
 
-def _time_check_plan(args: argparse.Namespace, result: dict[str, Any], runnable: list[str]) -> Optional[tuple]:
+def _time_check_case(args: argparse.Namespace, result: dict[str, Any], runnable: list[str]) -> Optional[tuple]:
     """(plugin, baseline, length) of the time-per-token goal: the best plugin configuration against
     megatron-flash+recompute at that baseline's longest trainable length (or ``--time-check-seq``)."""
     ms = result.get("max_seq") or {}

@@ -4,8 +4,9 @@
 ``pretrain(..., extra_args_provider=...)``, 0.19's to ``parse_and_validate_args(extra_args_provider=...)``.
 Every field of every dataclass in :data:`megatron_longctx.config.FEATURES` becomes one flag
 ``--longctx-<field-with-dashes>`` (dest ``longctx_<field>``) with the field's default and help; no
-flag is written by hand.  Fields a Megatron flag already covers (:data:`megatron_longctx.flags.MEGATRON_FLAGS`,
-the ``recompute_*``) are read from Megatron's arguments instead (:func:`plugin_recompute`).
+flag is written by hand; a ``Literal[...]`` field's values are the flag's ``choices``.  Fields a Megatron
+flag already covers (:data:`megatron_longctx.config.MEGATRON_FLAGS`, the ``recompute_*``) are read from
+Megatron's arguments instead (:func:`plugin_recompute`).
 :func:`config_from_args` turns the parsed namespace into a validated
 :class:`~megatron_longctx.config.LongContextConfig`.
 """
@@ -15,30 +16,38 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import types
+import typing
 from typing import Any, Optional, Sequence
 
-from megatron_longctx.config import FEATURES, LongContextConfig, flag_name
-from megatron_longctx.flags import MEGATRON_FLAGS
+from megatron_longctx.config import (
+    FEATURES,
+    MEGATRON_FLAGS,
+    LongContextConfig,
+    choices,
+    flag_name,
+)
 
 DEST_PREFIX = "longctx_"
 GROUP_TITLE = "megatron-longctx"
 
 
-def _kind(f: dataclasses.Field) -> str:
-    """bool | int | float | seq | str, from the field's annotation (a string under postponed annotations)."""
-    annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    for kind, words in (("bool", ("bool",)), ("seq", ("tuple", "list", "Sequence")), ("int", ("int",)),
-                        ("float", ("float",))):
-        if any(w in annotation for w in words):
-            return kind
-    return "str"
+def _kind(annotation: Any) -> str:
+    """bool | int | float | seq | str, from a field's resolved annotation (``X | None`` counts as ``X``)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    origin = typing.get_origin(annotation) or annotation
+    if origin in (tuple, list):
+        return "seq"
+    return {bool: "bool", int: "int", float: "float"}.get(origin, "str")
 
 
-def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, annotation: Any,
+               allowed: tuple | None) -> None:
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     help_text = f.metadata.get("help", f.name) + f" (default: {default!r})"
     kwargs: dict[str, Any] = dict(dest=DEST_PREFIX + f.name, default=default, help=help_text)
-    kind = _kind(f)
+    kind = _kind(annotation)
     if kind == "bool":
         kwargs["action"] = argparse.BooleanOptionalAction
     elif kind == "seq":
@@ -47,6 +56,8 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         kwargs["type"] = int if kind == "int" else float
     else:
         kwargs["type"] = str
+    if allowed is not None:  # a Literal[...] field: argparse rejects any other value, listing these
+        kwargs["choices"] = allowed
     group.add_argument(flag_name(f.name), **kwargs)
 
 
@@ -56,9 +67,10 @@ def add_longctx_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         return parser  # already added (e.g. by the launcher and again as extra_args_provider)
     group = parser.add_argument_group(title=GROUP_TITLE)
     for _, cls in FEATURES:
+        hints, allowed = typing.get_type_hints(cls), choices(cls)
         for f in dataclasses.fields(cls):
             if f.name not in MEGATRON_FLAGS:  # read from Megatron's own flag instead
-                _add_field(group, f)
+                _add_field(group, f, hints[f.name], allowed.get(f.name))
     return parser
 
 
@@ -168,7 +180,7 @@ def plugin_recompute(args: argparse.Namespace, offload_policy: str) -> dict[str,
         failing = _megatron_cannot(args, modules)
         if not failing:
             return {}
-        from megatron_longctx.memory.config import RECOMPUTE_MODULE_NAMES
+        from megatron_longctx.config import RECOMPUTE_MODULE_NAMES
 
         others = [m for m in modules if m not in RECOMPUTE_MODULE_NAMES]
         if others:

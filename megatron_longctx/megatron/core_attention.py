@@ -36,7 +36,7 @@ _SUPPORTED_TYPES = (*_CAUSAL_TYPES, AttnMaskType.no_mask)
 
 
 @dataclasses.dataclass(frozen=True)
-class CoreAttentionPlan:
+class CoreAttentionSettings:
     """What one ``ContextParallelAttention`` layer computes (fixed at construction)."""
 
     algorithm: str  # ring | allgather | ulysses | hybrid
@@ -130,7 +130,7 @@ class ContextParallelAttention(MegatronModule):
         self.k_channels = k_channels if k_channels is not None else config.kv_channels
         self.v_channels = v_channels if v_channels is not None else config.kv_channels
         algorithm = resolve_algorithm(config, self.layer_number, cp_comm_type, self.cp_config)
-        self.plan = CoreAttentionPlan(
+        self.settings = CoreAttentionSettings(
             algorithm=algorithm,
             softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels),
             window_size=_window(config, self.layer_number),
@@ -161,12 +161,12 @@ class ContextParallelAttention(MegatronModule):
 
     def _check_heads(self) -> None:
         """Ulysses moves whole heads between ranks: heads per TP rank must split over the all-to-all group."""
-        a2a = self.plan.ulysses_size
+        a2a = self.settings.ulysses_size
         if self.cp_size == 1 or not a2a or a2a == 1:
             return
         if self.num_heads % a2a != 0:
             raise ValueError(
-                f"--cp-comm-type {'a2a' if self.plan.algorithm == 'ulysses' else 'a2a+p2p'} (Ulysses) splits heads "
+                f"--cp-comm-type {'a2a' if self.settings.algorithm == 'ulysses' else 'a2a+p2p'} (Ulysses) splits heads "
                 f"over {a2a} ranks, but each tensor-parallel rank has {self.num_heads} query heads "
                 f"(--num-attention-heads / --tensor-model-parallel-size); make them divisible, change "
                 f"--context-parallel-size, or use --cp-comm-type p2p")
@@ -187,14 +187,14 @@ class ContextParallelAttention(MegatronModule):
             raise ValueError("attention_bias is not supported by ContextParallelAttention; remove the bias "
                              "(e.g. drop --position-embedding-type alibi-style biases) or use Megatron's attention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        dropout_p = self.plan.dropout_p if self.training else 0.0
+        dropout_p = self.settings.dropout_p if self.training else 0.0
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd":
             return self._forward_thd(query, key, value, mask_type, dropout_p, packed_seq_params)
         dense_mask = self._dense_mask(attention_mask, mask_type)
         if self.cp_size == 1 and (dropout_p > 0 or dense_mask is not None or query.shape[0] != key.shape[0]):
             # What the block kernels do not serve: dropout, an arbitrary mask, sq != sk (inference).
-            args = LocalAttentionArgs(self.plan.softmax_scale, mask_type in _CAUSAL_TYPES,
-                                      self.plan.window_size, dropout_p)
+            args = LocalAttentionArgs(self.settings.softmax_scale, mask_type in _CAUSAL_TYPES,
+                                      self.settings.window_size, dropout_p)
             out = self._with_dropout_rng(dropout_p, local_attention_sbhd, query, key, value, args, dense_mask)
         elif self.cp_size == 1:
             # One rank: the block kernels of --longctx-cp-kernel-backend, no communication.
@@ -233,19 +233,20 @@ class ContextParallelAttention(MegatronModule):
                       packing: Any = None) -> torch.Tensor:
         cp_attention = _import_cp_attention()
         extra: dict[str, Any] = {} if packing is None else {"packing": packing}
-        if self.plan.algorithm == "hybrid":
+        if self.settings.algorithm == "hybrid":
             hcp = self._hierarchical_groups()
-            extra.update({"hcp_groups": hcp} if hcp is not None else {"ulysses_size": self.plan.ulysses_size})
+            extra.update({"hcp_groups": hcp} if hcp is not None else {"ulysses_size": self.settings.ulysses_size})
         return cp_attention(
-            q, k, v, self.cp_group, algorithm=self.plan.algorithm, causal=causal,
-            softmax_scale=self.plan.softmax_scale, window_size=self.plan.window_size, backend=self.plan.backend,
+            q, k, v, self.cp_group, algorithm=self.settings.algorithm, causal=causal,
+            softmax_scale=self.settings.softmax_scale, window_size=self.settings.window_size,
+            backend=self.settings.backend,
             **extra,
         )  # [s/cp, b, np, hn_v]
 
     def _hierarchical_groups(self) -> Optional[tuple]:
-        """Megatron's (a2a, p2p) groups from --hierarchical-context-parallel-sizes, when they fit the plan."""
+        """Megatron's (a2a, p2p) groups from --hierarchical-context-parallel-sizes, when they fit these settings."""
         groups = self.hcp_groups
-        if not groups or len(groups) != 2 or groups[0] is None or groups[0].size() != self.plan.ulysses_size:
+        if not groups or len(groups) != 2 or groups[0] is None or groups[0].size() != self.settings.ulysses_size:
             return None
         return tuple(groups)
 
@@ -261,7 +262,8 @@ class ContextParallelAttention(MegatronModule):
             out = self._cp_attention(q, k, v, causal=mask_type in _CAUSAL_TYPES,
                                      packing=Packing.from_packed_seq_params(params))  # [t/cp, np, hn_v]
             return out.reshape(out.shape[0], -1)  # [t/cp, np*hn_v]
-        args = LocalAttentionArgs(self.plan.softmax_scale, mask_type in _CAUSAL_TYPES, self.plan.window_size, dropout_p)
+        args = LocalAttentionArgs(self.settings.softmax_scale, mask_type in _CAUSAL_TYPES, self.settings.window_size,
+                                  dropout_p)
         out = self._with_dropout_rng(
             dropout_p, local_attention_thd, q, k, v, args, params.cu_seqlens_q, params.cu_seqlens_kv,
             getattr(params, "cu_seqlens_q_padded", None), getattr(params, "cu_seqlens_kv_padded", None),

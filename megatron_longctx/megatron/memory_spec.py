@@ -27,15 +27,15 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from megatron_longctx.config import MemoryConfig
 from megatron_longctx.memory import hooks
-from megatron_longctx.memory.config import MemoryConfig
 from megatron_longctx.memory.offload import ActivationOffloader
 from megatron_longctx.memory.recompute import (
     SELECTIVE_TARGETS,
     DiscardOutputPacker,
-    find_submodule,
     apply_selective_recompute,
     checkpoint,
+    find_submodule,
     full_recompute_layers,
 )
 from megatron_longctx.memory.tiled_loss import install_tiled_loss

@@ -2,7 +2,8 @@
 
 Public entry points (names that need Megatron-Core load on first use):
 
-* :class:`MemoryConfig` — the typed configuration (``--longctx-*`` flags);
+* :class:`MemoryConfig` — the typed configuration (``--longctx-*`` flags; defined in
+  :mod:`megatron_longctx.config` with every feature config);
 * :func:`apply_memory_to_layer_spec` — spec-level changes (tiled MLP, selective recompute wrappers);
 * :func:`install` — hooks on a built model (offload, full recompute, tiled loss); returns a handle with
   ``remove()``.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-from megatron_longctx.memory.config import MemoryConfig  # noqa: F401 - public name
+from megatron_longctx.config import MemoryConfig  # noqa: F401 - public name (defined with every feature config)
 
 _LAZY = {
     "apply_memory_to_layer_spec": "megatron_longctx.megatron.memory_spec",

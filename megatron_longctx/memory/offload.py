@@ -41,9 +41,9 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from megatron_longctx.config import MemoryConfig
 from megatron_longctx.kernels.cuda_presence import unusable_gpu_reason
 from megatron_longctx.memory import hooks, streams
-from megatron_longctx.memory.config import MemoryConfig
 from megatron_longctx.memory.host_pool import HostPool
 from megatron_longctx.memory.offload_disk import RunDir, default_root, read_file, remove_file, write_file
 

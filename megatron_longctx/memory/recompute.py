@@ -95,7 +95,7 @@ class _SwapRng:
 
 
 @dataclasses.dataclass
-class _CallPlan:
+class _CheckpointedCall:
     """Non-tensor parts of one checkpointed call: the function, the argument tree, the RNG."""
 
     fn: Callable
@@ -108,36 +108,36 @@ class _CallPlan:
     grad_slots: Optional[list] = None  # positions of outputs that went through the Function
 
 
-def checkpoint_forward(plan: _CallPlan, tensors: tuple) -> list:
-    """Run ``plan.fn`` without building a graph; return the outputs that autograd has to track."""
-    leaves = list(plan.leaves)
-    for slot, t in zip(plan.tensor_slots, tensors):
+def checkpoint_forward(call: _CheckpointedCall, tensors: tuple) -> list:
+    """Run ``call.fn`` without building a graph; return the outputs that autograd has to track."""
+    leaves = list(call.leaves)
+    for slot, t in zip(call.tensor_slots, tensors):
         leaves[slot] = t.detach()
-    args, kwargs = pytree.tree_unflatten(leaves, plan.spec)
+    args, kwargs = pytree.tree_unflatten(leaves, call.spec)
     # Megatron re-enables grad around bias-dropout-add; whatever that saves dies with this call,
     # so no packer (offload) should spend a copy on it.
     with torch.no_grad(), hooks.paused():
-        out = plan.fn(*args, **kwargs)
-    out_leaves, plan.out_spec = pytree.tree_flatten(out)
-    plan.grad_slots = [i for i, o in enumerate(out_leaves)
+        out = call.fn(*args, **kwargs)
+    out_leaves, call.out_spec = pytree.tree_flatten(out)
+    call.grad_slots = [i for i, o in enumerate(out_leaves)
                        if isinstance(o, torch.Tensor) and not isinstance(o, torch.nn.Parameter)]
-    plan.out_leaves = [None if i in plan.grad_slots else o for i, o in enumerate(out_leaves)]
-    return [out_leaves[i] for i in plan.grad_slots]
+    call.out_leaves = [None if i in call.grad_slots else o for i, o in enumerate(out_leaves)]
+    return [out_leaves[i] for i in call.grad_slots]
 
 
-def checkpoint_backward(plan: _CallPlan, tensors: tuple, grads: tuple) -> tuple:
+def checkpoint_backward(call: _CheckpointedCall, tensors: tuple, grads: tuple) -> tuple:
     """Replay the forward with the saved RNG and the saved inputs, backpropagate ``grads`` through it."""
     inputs = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else t
               for t in tensors]
-    leaves = list(plan.leaves)
-    for slot, t in zip(plan.tensor_slots, inputs):
+    leaves = list(call.leaves)
+    for slot, t in zip(call.tensor_slots, inputs):
         leaves[slot] = t
-    args, kwargs = pytree.tree_unflatten(leaves, plan.spec)
-    with _SwapRng(plan.rng), torch.enable_grad(), hooks.paused():
-        out = plan.fn(*args, **kwargs)
+    args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+    with _SwapRng(call.rng), torch.enable_grad(), hooks.paused():
+        out = call.fn(*args, **kwargs)
     out_leaves = pytree.tree_leaves(out)
     outs, out_grads = [], []
-    for slot, g in zip(plan.grad_slots, grads):
+    for slot, g in zip(call.grad_slots, grads):
         o = out_leaves[slot]
         if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
             outs.append(o)
@@ -151,14 +151,14 @@ class CheckpointFunction(torch.autograd.Function):
     """Keeps the tensor inputs (through ``save_for_backward``), drops everything else."""
 
     @staticmethod
-    def forward(ctx, plan: _CallPlan, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.plan = plan
+    def forward(ctx, call: _CheckpointedCall, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.call = call
         ctx.save_for_backward(*tensors)
-        return tuple(checkpoint_forward(plan, tensors))
+        return tuple(checkpoint_forward(call, tensors))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return (None, *checkpoint_backward(ctx.plan, ctx.saved_tensors, grads))
+        return (None, *checkpoint_backward(ctx.call, ctx.saved_tensors, grads))
 
 
 def checkpoint(fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -172,13 +172,13 @@ def checkpoint(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     leaves, spec = pytree.tree_flatten((args, kwargs))
     slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensors = tuple(leaves[i] for i in slots)
-    plan = _CallPlan(fn=fn, spec=spec, leaves=[None if i in slots else x for i, x in enumerate(leaves)],
+    call = _CheckpointedCall(fn=fn, spec=spec, leaves=[None if i in slots else x for i, x in enumerate(leaves)],
                      tensor_slots=slots, rng=RngSnapshot.capture())
-    outs = CheckpointFunction.apply(plan, *tensors)
-    out_leaves = list(plan.out_leaves)
-    for slot, o in zip(plan.grad_slots, outs):
+    outs = CheckpointFunction.apply(call, *tensors)
+    out_leaves = list(call.out_leaves)
+    for slot, o in zip(call.grad_slots, outs):
         out_leaves[slot] = o
-    return pytree.tree_unflatten(out_leaves, plan.out_spec)
+    return pytree.tree_unflatten(out_leaves, call.out_spec)
 
 
 # ------------------------------------------------------------------- discard a norm's output

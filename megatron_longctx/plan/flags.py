@@ -13,8 +13,12 @@ import dataclasses
 import math
 from typing import Any
 
-from megatron_longctx.config import FEATURES, LongContextConfig, flag_name
-from megatron_longctx.flags import MEGATRON_FLAGS
+from megatron_longctx.config import (
+    FEATURES,
+    MEGATRON_FLAGS,
+    LongContextConfig,
+    flag_name,
+)
 
 from .model import GIB, ModelShape
 from .recommend import Plan

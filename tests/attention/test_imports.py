@@ -1,4 +1,5 @@
-"""The attention package's import graph is acyclic, and args.py is a leaf (read from the source with ast)."""
+"""Import graphs read from the source with ast: the package imports without a cycle, the attention package
+has no cycle even through imports inside functions, and attention/args.py is a leaf."""
 
 from __future__ import annotations
 
@@ -16,14 +17,33 @@ def _module(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph(folder: pathlib.Path) -> dict[str, set[str]]:
-    """Module -> package modules it imports (any import: top level, in functions, under TYPE_CHECKING)."""
-    modules = {_module(p): p for p in folder.rglob("*.py")}
+def _import_nodes(tree: ast.Module, deferred: bool) -> list[ast.AST]:
+    """The import statements of a module; without ``deferred``, only those that run when it is imported
+    (module level, under ``if``/``try``/``with``/``class``; not inside a function)."""
+    if deferred:
+        return list(ast.walk(tree))
+    found: list[ast.AST] = []
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        found.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph(folder: pathlib.Path, deferred: bool = True) -> dict[str, set[str]]:
+    """Module -> package modules it imports (``deferred``: any import: top level, in functions, under
+    TYPE_CHECKING; else only the imports that run when the module is imported)."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
+        if folder != PACKAGE and folder not in path.parents:
+            continue
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _import_nodes(ast.parse(path.read_text()), deferred):
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")
                 base = base[: len(base) - node.level + 1] if node.level else []
@@ -32,7 +52,7 @@ def import_graph(folder: pathlib.Path) -> dict[str, set[str]]:
             elif isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
         graph[name] = {t for t in targets if t in modules and t != name}
-    return graph
+    return {name: {t for t in targets if t in graph} for name, targets in graph.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -57,6 +77,61 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def loops(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while not component or node not in component:
+                component.add(stack.pop())
+            if len(component) > 1:
+                out.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return out
+
+
+# Modules that import each other only inside functions (so importing either works): the launcher and the CPU
+# runner share their Megatron-script setup; the recommender asks the advice for its error, which searches
+# with the recommender.  No other loop may appear.
+DEFERRED_LOOPS = [
+    {"megatron_longctx.cpu_compat", "megatron_longctx.megatron.args", "megatron_longctx.megatron.launch"},
+    {"megatron_longctx.plan.advice", "megatron_longctx.plan.recommend"},
+]
+
+
+def test_package_imports_have_no_cycle():
+    graph = import_graph(PACKAGE, deferred=False)
+    assert {"megatron_longctx.config", "megatron_longctx.memory", "megatron_longctx.attention.api"} <= set(graph)
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_config_is_below_every_feature():
+    graph = import_graph(PACKAGE)
+    assert graph["megatron_longctx.config"] == set(), graph["megatron_longctx.config"]
+    assert "megatron_longctx.config" in graph["megatron_longctx.memory"]
+
+
+def test_imports_inside_functions_close_no_other_loop():
+    found = loops(import_graph(PACKAGE))
+    assert sorted(map(sorted, found)) == sorted(map(sorted, DEFERRED_LOOPS)), found
+
+
 def test_attention_imports_have_no_cycle():
     graph = import_graph(ATTENTION)
     assert "megatron_longctx.attention.api" in graph["megatron_longctx.attention"]
@@ -70,6 +145,7 @@ def test_args_is_a_leaf():
 
 def test_the_cycle_finder_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert loops({"a": {"b"}, "b": {"a", "c"}, "c": set()}) == [{"a", "b"}]
 
 
 if __name__ == "__main__":  # print the graph: python -m tests.attention.test_imports
@@ -77,4 +153,6 @@ if __name__ == "__main__":  # print the graph: python -m tests.attention.test_im
     for name in sorted(graph):
         print(f"{name.removeprefix('megatron_longctx.attention.') or '__init__'} -> "
               f"{sorted(d.removeprefix('megatron_longctx.attention.') for d in graph[name])}")
-    print("cycle:", find_cycle(graph))
+    print("attention cycle (any import):", find_cycle(graph))
+    print("package loops through imports inside functions:", [sorted(c) for c in loops(import_graph(PACKAGE))])
+    print("cycle:", find_cycle(import_graph(PACKAGE, deferred=False)))

@@ -63,12 +63,12 @@ def test_time_check_alternates_fresh_jobs_and_takes_medians(monkeypatch):
     monkeypatch.setattr(regression, "run_probe_job", fake_job)
     args = regression.build_parser().parse_args(["--time-check-rounds", "3"])
     result = {"max_seq": {"best_plugin": "ring+all", "results": {"megatron-flash+recompute": {"max_seq": 4097}}}}
-    plan = regression._time_check_plan(args, result, ["ring+all", "megatron-flash+recompute"])
-    assert plan == ("ring+all", "megatron-flash+recompute", 4096)  # rounded to a multiple of 2 x CP
-    out = regression.time_check(args, {}, *plan, log=lambda s: None)
+    case = regression._time_check_case(args, result, ["ring+all", "megatron-flash+recompute"])
+    assert case == ("ring+all", "megatron-flash+recompute", 4096)  # rounded to a multiple of 2 x CP
+    out = regression.time_check(args, {}, *case, log=lambda s: None)
     assert order == [
         "ring+all", "megatron-flash+recompute", "megatron-flash+recompute", "ring+all", "ring+all",
         "megatron-flash+recompute"]
     assert out["median_cpu_us_per_token"] == {"ring+all": 100.0, "megatron-flash+recompute": 80.0}
     assert out["ratio"] == pytest.approx(1.25) and out["meets_target"] is True
-    assert regression._time_check_plan(args, {}, ["ring+all"]) is None  # nothing to compare against
+    assert regression._time_check_case(args, {}, ["ring+all"]) is None  # nothing to compare against

@@ -6,8 +6,15 @@ import dataclasses
 import pytest
 
 from megatron_longctx import add_longctx_args, config_from_args
-from megatron_longctx.config import FEATURES, ContextParallelConfig, LongContextConfig, flag_name
-from megatron_longctx.flags import MEGATRON_FLAGS
+from megatron_longctx.config import (
+    CP_ALGORITHMS,
+    FEATURES,
+    MEGATRON_FLAGS,
+    ContextParallelConfig,
+    LongContextConfig,
+    choices,
+    flag_name,
+)
 
 
 def _all_fields():
@@ -39,7 +46,6 @@ def test_values_round_trip():
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--longctx-cp-algorithm", "zigzag"], "--longctx-cp-algorithm"),
     (["--longctx-cp-ulysses-size", "2", "--longctx-cp-algorithm", "ring"], "--longctx-cp-ulysses-size"),
     (["--longctx-tiled-mlp-tiles", "-1"], "--longctx-tiled-mlp-tiles"),
     (["--longctx-offload-policy", "checkpoint"], "--longctx-offload-policy"),  # needs --recompute-granularity full
@@ -48,6 +54,31 @@ def test_bad_values_name_the_flag(argv, flag):
     args = add_longctx_args(argparse.ArgumentParser()).parse_args(argv)
     with pytest.raises(ValueError, match=flag):
         config_from_args(args)
+
+
+def _literal_flags():
+    return [(f.name, choices(cls)[f.name]) for f in _all_fields() for _, cls in FEATURES if f.name in choices(cls)]
+
+
+def test_literal_fields_are_the_flags_with_choices():
+    assert {name for name, _ in _literal_flags()} == {"cp_algorithm", "offload_policy", "offload_target"}
+    assert dict(_literal_flags())["cp_algorithm"] == CP_ALGORITHMS == ("auto", "ring", "allgather", "ulysses", "hybrid")
+    parser = add_longctx_args(argparse.ArgumentParser())
+    for name, allowed in _literal_flags():
+        assert parser._option_string_actions[flag_name(name)].choices == allowed
+
+
+@pytest.mark.parametrize("name, allowed", _literal_flags())
+def test_a_value_outside_the_choices_is_refused_naming_the_flag(name, allowed, capsys):
+    parser = add_longctx_args(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args([flag_name(name), "zigzag"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {flag_name(name)}: invalid choice: 'zigzag'" in err, err
+    assert all(value in err.rpartition("invalid choice")[2] for value in allowed), err
+    # Programmatic use (apply_to_spec(**options), from_flat) gets the same check from __post_init__.
+    with pytest.raises(ValueError, match=f"^{flag_name(name)}: got 'zigzag'; choose one of {', '.join(allowed)}$"):
+        LongContextConfig.from_flat({name: "zigzag"})
 
 
 def test_missing_flags_are_explained():

@@ -60,7 +60,7 @@ def _run_case(case, batch):
         loss, grads = loss_and_grads(model, local, cp_group, total_tokens=batch["loss_mask"].sum())
         expected = {"auto": {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}[comm]}
         attn = model.decoder.layers[0].self_attention.core_attention
-        assert attn.plan.algorithm == expected.get(algorithm, algorithm), (case, attn.plan)
+        assert attn.settings.algorithm == expected.get(algorithm, algorithm), (case, attn.settings)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: loss {m}")
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
@@ -138,7 +138,7 @@ def _per_layer_comm_types():
         algos = [
             ContextParallelAttention(cfg, layer_number=n, attn_mask_type=AttnMaskType.causal,
                                      cp_comm_type="ignored-when-the-config-holds-a-list",
-                                     cp_config=ContextParallelConfig()).plan.algorithm
+                                     cp_config=ContextParallelConfig()).settings.algorithm
             for n in (1, 2)
         ]
         assert algos == ["ulysses", "ring"], algos
@@ -152,7 +152,7 @@ def _per_layer_gpt():
     with cpu_compat.enabled(), megatron_parallel(cp=2):
         cfg = tiny_config(1, 2, cp_comm_type=["a2a", "all_gather"])
         model = build_gpt(cfg, apply_to_spec(local_spec()))
-        got = [layer.self_attention.core_attention.plan.algorithm for layer in model.decoder.layers]
+        got = [layer.self_attention.core_attention.settings.algorithm for layer in model.decoder.layers]
         assert got == ["ulysses", "allgather"], got
         assert parallel_state.get_context_parallel_world_size() == 2
 

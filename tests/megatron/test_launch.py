@@ -88,7 +88,7 @@ def _model_hook():
             model = build_gpt(tiny_config(1, 2), local_spec())
             attns = [layer.self_attention.core_attention for layer in model.decoder.layers]
             assert all(isinstance(a, ContextParallelAttention) for a in attns)
-            assert {a.plan.algorithm for a in attns} == {"allgather"}
+            assert {a.settings.algorithm for a in attns} == {"allgather"}
             if _has_training():  # options parsed by Megatron's parser (launcher path without a fixed config)
                 from megatron.training import arguments, global_vars
 
@@ -98,7 +98,7 @@ def _model_hook():
                 global_vars.set_args(args)
                 try:
                     model = build_gpt(tiny_config(1, 2), local_spec())
-                    assert model.decoder.layers[0].self_attention.core_attention.plan.algorithm == "ulysses"
+                    assert model.decoder.layers[0].self_attention.core_attention.settings.algorithm == "ulysses"
                 finally:
                     global_vars.set_args(None)
             from megatron_longctx.memory import MemoryConfig
