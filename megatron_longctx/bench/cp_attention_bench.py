@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import time
 
@@ -31,9 +29,12 @@ import torch.distributed as dist
 
 from megatron_longctx.attention import cp_attention, schedule_flops, shard_sequence
 from megatron_longctx.attention.comm import STATS
-from megatron_longctx.attention.schedule import ring_schedule
 from megatron_longctx.attention.layout import dense_layout as SeqLayout
+from megatron_longctx.attention.schedule import ring_schedule
 from megatron_longctx.kernels.base import BlockMask
+from megatron_longctx.procs import spawn_ranks
+
+SPAWN_TIMEOUT_S = 1800.0  # per multi-rank measurement; a rank that raises ends it at once
 
 # ---------------------------------------------------------------------------------------- balance
 
@@ -109,7 +110,7 @@ def bytes_rows(
     rows = []
     for p in cp_sizes:
         shape = {"s": p * tokens_per_rank, "b": b, "hq": hq, "hkv": hkv, "d": d}
-        rows += _spawn(p, _bytes_worker, p, shape)[0]
+        rows += spawn_ranks(p, _bytes_worker, (p, shape), timeout=SPAWN_TIMEOUT_S)[0]
     return rows
 
 
@@ -148,7 +149,7 @@ def _walltime_inputs(shape: dict):
 
 
 def walltime_row(shape: dict, repeats: int) -> dict:
-    ring = _spawn(2, _ring_worker, shape, repeats)
+    ring = spawn_ranks(2, _ring_worker, (shape, repeats), timeout=SPAWN_TIMEOUT_S)
     ring_wall = [max(w for w, _ in per_rank) for per_rank in zip(*ring)]  # a step ends with the slower rank
     ring_cpu = [sum(c for _, c in per_rank) for per_rank in zip(*ring)]  # both ranks together
     threads = torch.get_num_threads()
@@ -164,36 +165,6 @@ def walltime_row(shape: dict, repeats: int) -> dict:
             "speedup": median(single_wall) / median(ring_wall),
             "single_cpu_s": median(single_cpu), "ring_cpu_s_both_ranks": median(ring_cpu),
             "single_wall_all_s": single_wall, "ring_wall_all_s": ring_wall}
-
-
-# ---------------------------------------------------------------------------------------- spawning
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, fn, args, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        results.put((rank, fn(*args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, fn, *args) -> list:
-    """Run ``fn(*args)`` on ``world`` gloo ranks; the per-rank return values, in rank order."""
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    values = dict(results.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
-    return [values[r] for r in range(world)]
 
 
 # ------------------------------------------------------------------------------------------ report

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
-import traceback
 from typing import Any, Callable, Optional
 
+from megatron_longctx import procs
 from megatron_longctx.bench import peer_cases as cases
 
 SCHEMA = "megatron-longctx-peers/1"
@@ -47,49 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------ launching
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, fn: Callable, case: dict, results: Any) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    try:
-        if world > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results.put((rank, fn(case)))
-    except BaseException as exc:  # noqa: BLE001 - reported as the case's status, never a hang
-        results.put((rank, {"status": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
-                            "traceback": traceback.format_exc()[-2000:]}))
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_fresh(fn: Callable, case: dict, world: int, timeout: float) -> list[dict[str, Any]]:
-    """``fn(case)`` on ``world`` fresh spawned ranks (gloo when ``world > 1``); each rank's dict, in rank order."""
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, case, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    values: dict[int, dict] = {}
+    """``fn(case)`` on ``world`` fresh spawned ranks (gloo when ``world > 1``); each rank's dict, in rank order.
+
+    A rank that raises or dies stops the run at once: its dict is ``{"status": "failed: ...", "traceback"}``,
+    a rank stopped because of it says so, a rank without a result after ``timeout`` seconds says that.
+    """
     try:
-        for _ in procs:
-            rank, value = results.get(timeout=timeout)
-            values[rank] = value
-    except Exception:  # noqa: BLE001 - a rank that never answers: the case timed out
-        pass
-    for proc in procs:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    return [values.get(r, {"status": f"failed: rank {r} gave no result within {timeout:.0f} s"}) for r in range(world)]
+        return procs.spawn_ranks(world, fn, (case,), timeout=timeout)
+    except procs.RankFailed as exc:
+        out = []
+        for r in range(world):
+            if r in exc.results:
+                out.append(exc.results[r])
+            elif exc.timed_out:
+                out.append({"status": f"failed: rank {r} gave no result within {timeout:.0f} s"})
+            elif r == exc.rank:
+                out.append({"status": f"failed: {(exc.error.splitlines() or [''])[0][:400]}",
+                            "traceback": exc.traceback[-2000:]})
+            else:
+                out.append({"status": f"failed: stopped when rank {exc.rank} failed", "stopped": True})
+        return out
 
 
 # ------------------------------------------------------------------------------------------ cases
@@ -153,8 +129,9 @@ def _row(case: dict[str, Any], runs: list[list[dict]], unavailable: Optional[str
     if unavailable:
         return {**row, "status": f"unavailable: {unavailable}"}
     failed = [rank for run in runs for rank in run if "cpu_s" not in rank]
-    if failed:
-        return {**row, "status": failed[0].get("status", "failed"), "traceback": failed[0].get("traceback")}
+    if failed:  # the rank that raised, rather than one stopped because of it
+        first = next((rank for rank in failed if not rank.get("stopped")), failed[0])
+        return {**row, "status": first.get("status", "failed"), "traceback": first.get("traceback")}
     cpu = [max(rank["cpu_s"] for rank in run) for run in runs]  # the slowest rank of each run
     peaks = [[rank["peak_added_bytes"] for rank in run] for run in runs]
     return {**row, "status": "ok", "rounds": len(runs), "cpu_s": cpu, "cpu_s_median": statistics.median(cpu),

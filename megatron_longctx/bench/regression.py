@@ -21,12 +21,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Optional
 
+from megatron_longctx import procs
 from megatron_longctx.bench import compare as compare_mod
 from megatron_longctx.bench import report
 from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, baseline_configs, default_configs, select,
@@ -99,35 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------------------- launching
-def torchrun(module: str, argv: list[str], nproc: int, timeout: float, env: Optional[dict] = None) -> tuple[int, str]:
-    """Run ``module`` on ``nproc`` local ranks; returns (exit code, combined output)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", "-m", module, *argv]
-    child_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
-    child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Large tensors are mmap-ed and returned to the OS on free: resident memory tracks live tensors.
-    child_env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
-    try:
-        proc = subprocess.run(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        return 124, (exc.stdout or "") if isinstance(exc.stdout, str) else ""
-    return proc.returncode, proc.stdout
+PROBE_ENV = {"PYTHONWARNINGS": "ignore"}
+# Large tensors are mmap-ed and returned to the OS on free: resident memory tracks live tensors.
+PROBE_ENV_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
 
 
 def run_probe_job(task: dict[str, Any], nproc: int, timeout: float) -> tuple[int, str, list[dict[str, Any]]]:
-    """One probe job (see :mod:`megatron_longctx.bench.probe`): exit code, output, point records."""
+    """One probe job (see :mod:`megatron_longctx.bench.probe`) under torchrun: exit code (124 past
+    ``timeout``), combined output, point records."""
     with tempfile.TemporaryDirectory(prefix="longctx-bench-") as tmp:
         task = dict(task, out=os.path.join(tmp, "records.json"))
         task_path = os.path.join(tmp, "task.json")
         with open(task_path, "w") as f:
             json.dump(task, f)
-        rc, output = torchrun("megatron_longctx.bench.probe", [task_path], nproc, timeout)
+        rc, output = procs.torchrun("megatron_longctx.bench.probe", [task_path], nproc, timeout, PROBE_ENV,
+                                    defaults=PROBE_ENV_DEFAULTS)
         records = []
         if os.path.exists(task["out"]):
             with open(task["out"]) as f:

@@ -64,3 +64,21 @@ def test_attention_and_torch_cp_rows_on_two_ranks(tmp_path):
     tcp = rows["torch-context-parallel"]["status"]
     assert tcp.startswith("ok") or ("fails on CPU" in tcp and "Error" in tcp)
     assert "| ours-ulysses / deepspeed-ulysses |" in (tmp_path / "peers.md").read_text()
+
+
+def _rank_one_raises(case):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError(f"no {case['impl']} here")
+    dist.barrier()  # never answered: rank 0 is stopped, not waited for
+    return {}
+
+
+def test_a_raising_rank_is_the_row_status_at_once():
+    case = {"kind": "attention", "impl": "ours-ring", "seq": 512}
+    runs = [peers.run_fresh(_rank_one_raises, case, 2, timeout=600)]
+    assert runs[0][0]["status"] == "failed: stopped when rank 1 failed"
+    assert runs[0][1]["status"] == "failed: ValueError: no ours-ring here" and "_rank_one_raises" in runs[0][1]["traceback"]
+    row = peers._row(case, runs, None, "0")
+    assert row["status"] == "failed: ValueError: no ours-ring here" and "ValueError" in row["traceback"]
