@@ -201,6 +201,11 @@ class MemoryConfig:
         default=0,
         metadata={"help": "compute output logits and cross-entropy over this many sequence tiles (0 or 1 = off)"},
     )
+    lean_norm: bool = field(
+        default=False,
+        metadata={"help": "RMSNorm keeps only its input and 1/rms for backward, as fused norms do "
+                          "(for torch's nn.RMSNorm of Megatron's local spec; TE and apex norms already do)"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("offload_modules", "recompute_modules"):
@@ -220,6 +225,8 @@ class MemoryConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise flag_error(name, f"got {value!r}; give an integer >= 0")
+        if not isinstance(self.lean_norm, bool):
+            raise flag_error("lean_norm", f"got {self.lean_norm!r}; give true or false")
         if not isinstance(self.offload_max_inflight, int) or self.offload_max_inflight < 1:
             raise flag_error("offload_max_inflight", f"got {self.offload_max_inflight!r}; give an integer >= 1")
 
@@ -249,7 +256,7 @@ class MemoryConfig:
     @property
     def any_enabled(self) -> bool:
         return (self.offload_enabled or self.recompute_enabled or self.tiled_mlp_tiles > 1
-                or self.tiled_loss_tiles > 1)
+                or self.tiled_loss_tiles > 1 or self.lean_norm)
 
 
 # The feature dataclasses whose fields become --longctx-* flags, with the LongContextConfig attribute.

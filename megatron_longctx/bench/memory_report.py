@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from megatron_longctx.memory.accounting import RSS_TRACKS_TENSORS_ENV
+
 # name -> (Megatron TransformerConfig overrides, MemoryConfig fields)
 CONFIGS: dict[str, tuple[dict, dict]] = {
     "megatron": ({}, {}),
@@ -147,9 +149,8 @@ def _child(name: str, seq: int, args: argparse.Namespace) -> dict:
            "--hidden", str(args.hidden), "--heads", str(args.heads), "--layers", str(args.layers),
            "--vocab", str(args.vocab), "--batch", str(args.batch), "--device", args.device,
            "--offload-target", args.offload_target]
-    # A fixed glibc mmap threshold returns every freed block >= 1 MiB to the OS at once, so the sampled
-    # RSS peak follows live memory instead of the heap's high-water mark.
-    env = dict(os.environ, PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    # The sampled RSS peak follows live memory instead of the heap's high-water mark.
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **RSS_TRACKS_TENSORS_ENV)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from megatron_longctx import procs
 from megatron_longctx.bench import peer_cases as cases
+from megatron_longctx.memory.accounting import RSS_TRACKS_TENSORS_ENV
 
 SCHEMA = "megatron-longctx-peers/1"
 # (ours, peer) pairs the table sets against each other
@@ -201,6 +202,8 @@ def markdown(result: dict[str, Any]) -> str:
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}: give at least 1 (5 or more to compare times)")
+    for key, value in RSS_TRACKS_TENSORS_ENV.items():  # the spawned ranks inherit it: RSS follows live tensors
+        os.environ.setdefault(key, value)
     rows = measure_all(case_list(args), args.rounds, args.timeout, log)
     return {"schema": SCHEMA, "rounds": args.rounds, "rows": rows, "pairs": pair_rows(rows)}
 

@@ -33,6 +33,7 @@ from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, baseline
                                             sweep_skip_reason, unavailable_reason)
 from megatron_longctx.bench.headline import headline_line, max_seq_headline
 from megatron_longctx.bench.maxseq import drive, search_max_seq
+from megatron_longctx.memory.accounting import RSS_TRACKS_TENSORS_ENV
 
 ENFORCEMENT_CPU = "enforced: a probe dies when a rank's resident memory grows past the budget"
 ENFORCEMENT_GPU = "enforced: torch.cuda.set_per_process_memory_fraction; OOM = failure"
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--budget-mib", type=float, default=None,
-                   help="per-rank memory budget of the max-sequence search (default: 64 on CPU, 80%% of the GPU)")
+                   help="per-rank memory budget of the max-sequence search (default on CPU: 160 for the llama "
+                        "preset, 64 for tiny; 80%% of the GPU)")
     p.add_argument("--max-seq-configs", default=",".join(MAX_SEQ_DEFAULT),
                    help="configurations searched for max sequence (the headline is the best plugin one over the "
                         "strongest baseline one)")
@@ -100,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ----------------------------------------------------------------------------------------- launching
 PROBE_ENV = {"PYTHONWARNINGS": "ignore"}
-# Large tensors are mmap-ed and returned to the OS on free: resident memory tracks live tensors.
-PROBE_ENV_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
+PROBE_ENV_DEFAULTS = RSS_TRACKS_TENSORS_ENV  # resident memory tracks live tensors
 
 
 def run_probe_job(task: dict[str, Any], nproc: int, timeout: float) -> tuple[int, str, list[dict[str, Any]]]:

@@ -4,7 +4,8 @@ on a built model.
 :func:`apply_memory_to_layer_spec` makes the spec build a :class:`TiledMLP` (same parameters and keys).
 :func:`install` puts the rest on a built model and returns a handle whose ``remove()`` undoes it:
 
-1. tiled MLP on MLPs the spec did not already tile, and the tiled loss on the post-process stage;
+1. tiled MLP on MLPs the spec did not already tile, the tiled loss on the post-process stage, and the
+   lean RMSNorm (``--longctx-lean-norm``);
 2. selective recompute wrappers (innermost: they change what a module saves);
 3. offload scopes around named modules (policy ``modules``);
 4. one wrapper per transformer layer, outermost, in this order from the outside in: layer scope,
@@ -38,6 +39,7 @@ from megatron_longctx.memory.recompute import (
     find_submodule,
     full_recompute_layers,
 )
+from megatron_longctx.memory.lean_norm import install_lean_norms
 from megatron_longctx.memory.tiled_loss import install_tiled_loss
 from megatron_longctx.memory.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
 
@@ -201,6 +203,8 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
         for chunk in chunks:
             if getattr(chunk, "post_process", False) and hasattr(chunk, "compute_language_model_loss"):
                 handle.removers.append(install_tiled_loss(chunk, cfg.tiled_loss_tiles))
+    if cfg.lean_norm:
+        handle.removers.extend(install_lean_norms(chunks))
     discard = None
     if cfg.recompute_granularity == "selective":
         if "layernorm" in cfg.recompute_modules:

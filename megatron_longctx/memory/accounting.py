@@ -136,6 +136,10 @@ _ACCOUNTED_MODULES = (
     ("mlp", "mlp"),
 )
 
+# Environment for a process whose sampled RSS should follow its live tensors: a fixed glibc mmap
+# threshold returns every freed block of 64 KiB or more to the OS at once (read at process start).
+RSS_TRACKS_TENSORS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
+
 
 def _trim_heap() -> None:
     """Hand freed heap pages back to the OS (glibc), so the starting RSS is what is really in use."""

@@ -119,7 +119,9 @@ def test_config_selection_and_availability():
         BASELINE, "megatron-flash", "megatron-flash+recompute", "megatron-flash+cp", "megatron-flash+cp+recompute"}
     flash = by_name_of(configs)["megatron-flash"].variant
     assert flash.plugin and flash.context_parallel_size == 1 and not flash.megatron_recompute
-    assert dict(flash.longctx_options) == {"cp_algorithm": "ring"}  # every plugin memory feature off
+    # every plugin memory feature off but the norm that stands in for TE's fused one
+    assert dict(flash.longctx_options) == {"cp_algorithm": "ring", "lean_norm": True}
+    assert all(dict(c.variant.longctx_options).get("lean_norm") for c in configs if c.variant.plugin)
     assert by_name_of(configs)["megatron-flash+cp"].variant.context_parallel_size == 2
     assert [c.name for c in select(configs, ["ring+all"])] == [BASELINE, "ring+all"]
     with pytest.raises(ValueError, match="--configs"):

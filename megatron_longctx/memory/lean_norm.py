@@ -1,0 +1,87 @@
+"""RMSNorm that keeps only its input and ``1/rms`` for backward, as fused norms do.
+
+torch's ``nn.RMSNorm`` (what Megatron's local spec builds without apex or Transformer Engine, through
+``WrappedTorchNorm``) runs as separate operators on CPU, and autograd keeps their intermediates: the
+normalised input, the product before the weight, and the square for the power's backward, about
+three hidden-size tensors per token for each norm.  A fused norm (TE's ``RMSNorm``, apex's
+``FusedRMSNorm``) keeps its input, usually alive anyway as the residual, and one float32 per token.
+:func:`lean_rms_norm` does the same in plain PyTorch, the normalised input recomputed in backward.  The statistics are float32 (float64 for float64 inputs).  :func:`install_lean_norms` swaps it into the ``nn.RMSNorm`` modules of a
+model (same parameters and ``state_dict``); ``--longctx-lean-norm`` turns it on.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _stats(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1/rms`` of the last dimension, ``[..., 1]``, in float32 (float64 for float64)."""
+    return torch.rsqrt(x.to(_acc(x)).pow(2).mean(-1, keepdim=True) + eps)
+
+
+class _LeanRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+        rstd = _stats(x, eps)  # [..., 1]
+        y = (x.to(rstd.dtype) * rstd).to(x.dtype)
+        if weight is not None:
+            y = y * weight
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        acc = rstd.dtype
+        xhat = x.to(acc) * rstd.to(acc)  # [..., h]
+        dw = None
+        g = dy.to(acc)
+        if weight is not None:
+            if ctx.needs_input_grad[1]:
+                dw = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+            g = g * weight.to(acc)
+        # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat))
+        dx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.to(acc)
+        return dx.to(x.dtype), dw, None
+
+
+def lean_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension; backward keeps ``x`` and ``1/rms`` only."""
+    return _LeanRMSNorm.apply(x, weight, eps)
+
+
+def _eps(module: torch.nn.RMSNorm) -> float:
+    return torch.finfo(torch.float32).eps if module.eps is None else float(module.eps)
+
+
+def _swap(module: torch.nn.RMSNorm) -> Callable[[], None]:
+    if len(module.normalized_shape) != 1:
+        raise ValueError(f"--longctx-lean-norm: RMSNorm over {tuple(module.normalized_shape)} (more than the last "
+                         "dimension) is not supported; drop the flag")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return lean_rms_norm(x, module.weight, _eps(module))
+
+    module.forward = forward
+    return lambda: module.__dict__.pop("forward", None) if module.__dict__.get("forward") is forward else None
+
+
+def install_lean_norms(modules: Iterable[torch.nn.Module]) -> list[Callable[[], None]]:
+    """Every ``nn.RMSNorm`` inside ``modules`` runs :func:`lean_rms_norm`; returns one remover per norm.
+
+    Norms of other types (TE's, apex's: already fused; LayerNorm) are left as they are.
+    """
+    seen: set[int] = set()
+    removers = []
+    for root in modules:
+        for module in root.modules():
+            if type(module) is torch.nn.RMSNorm and id(module) not in seen:
+                seen.add(id(module))
+                removers.append(_swap(module))
+    return removers

@@ -1,0 +1,97 @@
+"""The lean RMSNorm: torch's ``nn.RMSNorm`` values and gradients, with only ``x`` and ``1/rms`` saved.
+
+Oracles: ``nn.RMSNorm`` in float64 (the function), and a Megatron GPTModel with RMSNorm run without
+the flag (the model at TP=2, plain and under full recompute).
+"""
+
+import pytest
+import torch
+
+from megatron_longctx.memory import MemoryConfig
+from megatron_longctx.memory.lean_norm import install_lean_norms, lean_rms_norm
+from tests.dist import megatron_parallel, run_ranks
+from tests.gpt_kit import ORACLE, assert_same, build_gpt, cpu, loss_and_grads
+
+
+def _inputs(dtype, shape=(5, 3, 16)):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+    weight = (1 + torch.randn(shape[-1], generator=g, dtype=torch.float64) / 4).to(dtype)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return x, weight, dy
+
+
+def _run(fn, x, weight, dy):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y = fn(x, weight)
+    y.backward(dy)
+    return y.detach(), x.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 2e-2)],
+                         ids=["float64", "float32", "bfloat16"])
+def test_matches_torch_rms_norm_in_float64(dtype, tol):
+    x, weight, dy = _inputs(dtype)
+    norm = torch.nn.RMSNorm(x.shape[-1], eps=1e-5, dtype=torch.float64)
+    want = _run(lambda x_, w_: torch.nn.functional.rms_norm(x_, (x.shape[-1],), w_, 1e-5),
+                x.double(), weight.double(), dy.double())
+    got = _run(lambda x_, w_: lean_rms_norm(x_, w_, 1e-5), x, weight, dy)
+    for g, w, name in zip(got, want, ("out", "dx", "dweight")):
+        assert g.dtype == dtype, name
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * 10, msg=lambda m, n=name: f"{n}: {m}")
+    assert norm.weight.shape == weight.shape
+
+
+def _saved_bytes(fn, x, weight) -> int:
+    """Bytes of the non-parameter tensors autograd saves for ``fn(x, weight)``'s backward."""
+    saved = []
+
+    def pack(t):
+        if t is not weight and t.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x, weight)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    return sum(storages.values())
+
+
+def test_saves_only_input_and_inverse_rms():
+    x, weight, _ = _inputs(torch.float32, (64, 2, 32))
+    x, weight = x.requires_grad_(), weight.requires_grad_()
+    lean = _saved_bytes(lambda a, w: lean_rms_norm(a, w, 1e-5), x, weight)
+    plain = _saved_bytes(lambda a, w: torch.nn.functional.rms_norm(a, (32,), w, 1e-5), x, weight)
+    rows = 64 * 2
+    assert lean == x.nbytes + rows * 4  # x itself (shared storage) and one float32 per row
+    assert plain > lean + x.nbytes // 2, (plain, lean)  # torch's composite keeps more on CPU
+
+
+def _gpt_body():
+    from megatron_longctx.memory import install
+
+    with cpu(), megatron_parallel(tp=2):
+        fields = dict(ORACLE, normalization="RMSNorm")
+        ref = loss_and_grads(build_gpt(**fields))
+        for cfg in (MemoryConfig(lean_norm=True), MemoryConfig(lean_norm=True, recompute_granularity="full")):
+            model = build_gpt(**fields)
+            norms = [m for m in model.modules() if type(m) is torch.nn.RMSNorm]
+            assert len(norms) == 2 * 2 + 1  # two per layer and the final norm
+            handle = install(model, cfg)
+            assert all("forward" in m.__dict__ for m in norms)
+            assert_same(ref, loss_and_grads(model))
+            handle.remove()
+            assert not any("forward" in m.__dict__ for m in norms)
+
+
+def test_gpt_with_lean_norm_matches_plain_tp2():
+    run_ranks(2, _gpt_body)
+
+
+def test_other_norms_are_left_alone():
+    layer = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.RMSNorm(8))
+    removers = install_lean_norms([layer])
+    assert len(removers) == 1 and "forward" not in layer[0].__dict__ and "forward" in layer[1].__dict__
+    for remove in removers:
+        remove()
+    assert "forward" not in layer[1].__dict__
