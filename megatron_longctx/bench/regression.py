@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "strongest baseline one)")
     p.add_argument("--max-seq-start", type=int, default=512, help="first probe length of the search")
     p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
-    p.add_argument("--max-seq-resolution", type=float, default=0.25, help="bisection stops at this relative gap")
+    p.add_argument("--max-seq-resolution", type=float, default=0.1, help="bisection stops at this relative gap")
     p.add_argument("--skip-max-seq", action="store_true")
     p.add_argument("--time-check-rounds", type=int, default=5,
                    help="fresh jobs per side of the time-per-token check (best plugin vs megatron-flash+recompute "
