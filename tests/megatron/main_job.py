@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from megatron_longctx.procs import alive, descendants  # noqa: F401 - the fault tests use both
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # 1 layer, hidden 32, 4 heads in 2 groups, 256 tokens at CP=2: seconds per phase.
@@ -78,35 +80,6 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
             raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{output(proc)[-4000:]}")
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def _ppid_and_state(pid: int) -> tuple[int, str] | None:
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), fields[0]
-
-
-def descendants(pid: int) -> list[int]:
-    """Live (non-zombie) descendants of ``pid``."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _ppid_and_state(int(entry))
-            if info is not None and info[1] != "Z":
-                children.setdefault(info[0], []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    info = _ppid_and_state(pid)
-    return info is not None and info[1] != "Z"
 
 
 def rank_pid(run_pid: int, rank: int) -> int:

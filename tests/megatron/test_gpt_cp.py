@@ -85,18 +85,25 @@ def _mla_buildable() -> bool:
     return not multi_latent_attention.HAVE_TE or isinstance(te_linear, type)
 
 
-def test_cp_matches_megatron_cp1_every_algorithm():
-    run_ranks(WORLD, _all_cases, [c for c in CASES if not c[4]])
+def _case_id(case) -> str:
+    tp, cp, comm, algorithm, mla, hcp, extra = case
+    parts = [f"tp{tp}", f"cp{cp}", comm] + ([algorithm] if algorithm != "auto" else [])
+    parts += (["mla"] if mla else []) + [f"{k}{v[0]}" if isinstance(v, tuple) else f"{k}{v}" for k, v in extra.items()]
+    return "-".join(parts)
 
 
-def test_cp_matches_megatron_cp1_mla():
-    """The MLA cases on their own, so a stack that cannot build MLA skips them by name, with the reason."""
+@pytest.mark.parametrize("case", [c for c in CASES if not c[4]], ids=_case_id)
+def test_cp_matches_megatron_cp1(case):
+    run_ranks(WORLD, _all_cases, [case])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[4]], ids=_case_id)
+def test_cp_matches_megatron_cp1_mla(case):
+    """The MLA cases, so a stack that cannot build MLA skips them by name, with the reason."""
     if not _mla_buildable():
         pytest.skip("Megatron-Core 0.16.1 without Transformer Engine cannot build MLASelfAttention "
                     "(isinstance against a TE placeholder); the MLA case runs on 0.19")
-    mla = [c for c in CASES if c[4]]
-    assert mla, "CASES holds no MLA case"
-    run_ranks(WORLD, _all_cases, mla)
+    run_ranks(WORLD, _all_cases, [case])
 
 
 def _cp1_matches_megatron():
