@@ -283,15 +283,13 @@ def _print_help() -> None:
     print("\nRuns a Megatron-LM training script unmodified with megatron-longctx installed. Without CUDA it "
           "enters megatron_longctx.cpu_compat and sets the CPU defaults (gloo, CUDA-only fusions off); "
           "flags given explicitly win. Megatron-LM's arguments, with the megatron-longctx group:\n")
-    try:
-        from megatron_longctx.megatron.args import megatron_parser
+    import argparse
 
+    from megatron_longctx.megatron.args import add_longctx_args, megatron_parser
+
+    try:
         parser = megatron_parser()
     except ImportError:  # megatron-core without megatron.training: our group alone
-        import argparse
-
-        from megatron_longctx.megatron.args import add_longctx_args
-
         parser = add_longctx_args(argparse.ArgumentParser(prog="megatron_longctx.launch", add_help=False))
     parser.prog = "megatron_longctx.launch <script.py>"
     parser.print_help()
