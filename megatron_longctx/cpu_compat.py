@@ -56,6 +56,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_longctx.kernels.cuda_presence import require_usable_cuda
+from megatron_longctx.megatron.script_setup import (
+    has_transformer_engine,
+    log_losses,
+    megatron_default_args,
+    skip_built_helpers,
+)
 
 _lock = threading.Lock()
 _depth = 0
@@ -357,14 +363,6 @@ TRANSFORMER_IMPL_LOCAL = ("--transformer-impl", "local")
 MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
-def has_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a broken CUDA install raising OSError/RuntimeError
-        return False
-    return True
-
-
 def cpu_default_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """``(argv + the CPU defaults the user did not give, the defaults added)`` for a Megatron-LM script.
 
@@ -416,7 +414,6 @@ def main(argv: list[str] | None = None) -> None:
     script = os.path.abspath(argv[0])
     sys.path.insert(0, os.path.dirname(script))  # before Megatron is imported: the script's tree first
     from megatron_longctx.megatron.args import megatron_parser, with_defaults
-    from megatron_longctx.megatron.launch import log_losses, megatron_default_args, skip_built_helpers
 
     skip_built_helpers()  # the wheel ships the compiled dataset helpers without their Makefile
     log_losses()  # $LONGCTX_LOSS_LOG, as the launcher writes it

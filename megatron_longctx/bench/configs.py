@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from megatron_longctx.config import LongContextConfig
 from megatron_longctx.megatron.training import Variant
 
 REFERENCE = "megatron-unfused"  # the parity reference row (Megatron's own local spec)
@@ -133,7 +134,7 @@ def sweep_skip_reason(config: BenchConfig, shape: dict[str, Any], seq_length: in
 
 
 def unavailable_reason(config: BenchConfig, cp: int, num_query_groups: int) -> Optional[str]:
-    """Why ``config`` cannot run here (``None`` when it can): missing feature code or an unfit layout."""
+    """Why ``config`` cannot run here (``None`` when it can): a layout that does not fit, or invalid options."""
     variant = config.variant
     if not variant.plugin:
         return None
@@ -143,19 +144,9 @@ def unavailable_reason(config: BenchConfig, cp: int, num_query_groups: int) -> O
     if options.get("cp_algorithm") == "ulysses" and num_query_groups % cp:
         return f"Ulysses splits heads: --num-query-groups {num_query_groups} is not a multiple of CP={cp}"
     try:
-        from megatron_longctx import apply_to_spec  # noqa: F401
-        from megatron_longctx.config import LongContextConfig
-
-        cfg = LongContextConfig.from_flat(options)
-    except (ImportError, AttributeError) as exc:
-        return f"plugin code missing ({type(exc).__name__}: {exc})"
+        LongContextConfig.from_flat(options)
     except ValueError as exc:
         return f"invalid options ({exc})"
-    if cfg.memory.any_enabled:
-        try:
-            from megatron_longctx.memory import apply_memory_to_layer_spec, install  # noqa: F401
-        except (ImportError, AttributeError) as exc:
-            return f"memory features missing ({type(exc).__name__}: {exc})"
     return None
 
 

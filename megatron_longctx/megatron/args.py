@@ -27,6 +27,7 @@ from megatron_longctx.config import (
     choices,
     flag_name,
 )
+from megatron_longctx.megatron.script_setup import has_transformer_engine
 
 DEST_PREFIX = "longctx_"
 GROUP_TITLE = "megatron-longctx"
@@ -150,8 +151,6 @@ def config_from_args(args: argparse.Namespace) -> LongContextConfig:
 # "layernorm" (every CheckpointWithoutOutput path needs TE's FP8GlobalStateManager) and "mlp" with a bias
 # (the MLP returns its bias Parameter out of an autograd Function: backward recurses).
 def _megatron_cannot(args: argparse.Namespace, modules: tuple) -> list[str]:
-    from megatron_longctx.cpu_compat import has_transformer_engine
-
     if getattr(args, "transformer_impl", "local") == "transformer_engine" and has_transformer_engine():
         return []
     failing = ["layernorm"] if "layernorm" in modules else []

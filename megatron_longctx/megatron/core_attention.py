@@ -26,6 +26,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_longctx.attention import cp_attention
 from megatron_longctx.config import CP_COMM_TYPE_TO_ALGORITHM, ContextParallelConfig
 from megatron_longctx.megatron.local_attention import LocalAttentionArgs, local_attention_sbhd, local_attention_thd
 
@@ -231,7 +232,6 @@ class ContextParallelAttention(MegatronModule):
 
     def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       packing: Any = None) -> torch.Tensor:
-        cp_attention = _import_cp_attention()
         extra: dict[str, Any] = {} if packing is None else {"packing": packing}
         if self.settings.algorithm == "hybrid":
             hcp = self._hierarchical_groups()
@@ -269,15 +269,6 @@ class ContextParallelAttention(MegatronModule):
             getattr(params, "cu_seqlens_q_padded", None), getattr(params, "cu_seqlens_kv_padded", None),
         )  # [t, np, hn_v]
         return out.reshape(out.shape[0], -1)  # [t, np*hn_v]
-
-
-def _import_cp_attention():
-    try:
-        from megatron_longctx.attention import cp_attention
-    except ImportError as exc:  # pragma: no cover - only when the attention package is incomplete
-        raise RuntimeError("megatron_longctx.attention.cp_attention is unavailable; context parallelism "
-                           f"(--context-parallel-size > 1) needs it ({exc})") from exc
-    return cp_attention
 
 
 def _divide(n: int, d: int, n_flag: str, d_flag: str) -> int:

@@ -27,20 +27,22 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import json
 import os
 import sys
 import threading
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_longctx.config import LongContextConfig
+from megatron_longctx.megatron.script_setup import (
+    megatron_default_args,
+    wrap_compile_helpers,
+    wrap_training_log,
+)
 
 # Megatron-Core minor versions the install step has been checked against.
 SUPPORTED_MEGATRON = ((0, 16), (0, 17), (0, 18), (0, 19))
 # Opt-in for untested versions (at the user's risk).
 ALLOW_UNTESTED_ENV = "LONGCTX_ALLOW_UNTESTED_MEGATRON"
-# A file to which the launcher appends each iteration's losses, at full precision, as JSON lines.
-LOSS_LOG_ENV = "LONGCTX_LOSS_LOG"
 
 # (module, class, name of the spec parameter): the spec is the parameter right after ``config``.
 _MODEL_CLASSES = (
@@ -153,64 +155,6 @@ def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
     return __init__
 
 
-def _skip_built_helpers(original: Callable) -> Callable:
-    """``compile_helpers`` (``make -C megatron/core/datasets`` on rank 0 at start-up) only when the compiled
-    ``helpers_cpp`` does not import: the megatron-core wheel ships it, without the Makefile."""
-
-    @functools.wraps(original)
-    def compile_helpers(*args, **kwargs):
-        try:
-            importlib.import_module("megatron.core.datasets.helpers_cpp")
-        except ImportError:
-            return original(*args, **kwargs)
-        return None
-
-    compile_helpers.__longctx_wrapped__ = original
-    return compile_helpers
-
-
-def skip_built_helpers() -> None:
-    """For the process's lifetime, skip Megatron's helpers build when ``helpers_cpp`` imports (idempotent;
-    :func:`install` does it reversibly; the ``patches/`` hooks and ``python -m megatron_longctx.cpu_compat``
-    call this)."""
-    with contextlib.suppress(ImportError):
-        datasets_utils = importlib.import_module("megatron.core.datasets.utils")
-        if not hasattr(datasets_utils.compile_helpers, "__longctx_wrapped__"):
-            datasets_utils.compile_helpers = _skip_built_helpers(datasets_utils.compile_helpers)
-
-
-def _log_losses(original: Callable) -> Callable:
-    """``training_log`` that also appends this iteration's losses at full precision to the JSON-lines file
-    named by ``$LONGCTX_LOSS_LOG`` (on the last rank, the one Megatron logs losses on)."""
-
-    @functools.wraps(original)
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
-        path = os.environ.get(LOSS_LOG_ENV)
-        if path and loss_dict and _is_last_rank():
-            losses = {key: float(value) for key, value in loss_dict.items()}
-            with open(path, "a") as f:
-                f.write(json.dumps({"iteration": int(iteration), **losses}) + "\n")
-        return original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
-
-    training_log.__longctx_wrapped__ = original
-    return training_log
-
-
-def log_losses() -> None:
-    """For the process's lifetime, write ``$LONGCTX_LOSS_LOG`` (idempotent; :func:`install` does it
-    reversibly; ``python -m megatron_longctx.cpu_compat`` calls this)."""
-    with contextlib.suppress(ImportError):
-        training = importlib.import_module("megatron.training.training")
-        if not hasattr(training.training_log, "__longctx_wrapped__"):
-            training.training_log = _log_losses(training.training_log)
-
-
-def _is_last_rank() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
-
-
 def _without_megatron_recompute(config: Any) -> Any:
     """A copy of a TransformerConfig with Megatron's recompute off: the plugin runs it instead
     (:func:`megatron_longctx.megatron.args.plugin_recompute` says when)."""
@@ -227,11 +171,11 @@ def _targets() -> list[tuple[Any, str, Callable]]:
     with contextlib.suppress(ImportError):
         datasets_utils = importlib.import_module("megatron.core.datasets.utils")
         if not hasattr(datasets_utils.compile_helpers, "__longctx_wrapped__"):
-            targets.append((datasets_utils, "compile_helpers", _skip_built_helpers(datasets_utils.compile_helpers)))
+            targets.append((datasets_utils, "compile_helpers", wrap_compile_helpers(datasets_utils.compile_helpers)))
     with contextlib.suppress(ImportError):
         training = importlib.import_module("megatron.training.training")
         if not hasattr(training.training_log, "__longctx_wrapped__"):
-            targets.append((training, "training_log", _log_losses(training.training_log)))
+            targets.append((training, "training_log", wrap_training_log(training.training_log)))
     try:
         arguments = importlib.import_module("megatron.training.arguments")
     except ImportError:
@@ -305,13 +249,6 @@ def warn_if_mixed_trees() -> None:
               "megatron-core)", file=sys.stderr, flush=True)
 
 
-def megatron_default_args(parser: Any) -> list[tuple[str, ...]]:
-    """Defaults Megatron-LM lacks and needs on any device: ``--eval-interval 1000`` where it has none (0.19
-    computes ``train_iters // eval_interval``)."""
-    eval_interval = parser._option_string_actions.get("--eval-interval")
-    return [("--eval-interval", "1000")] if eval_interval is not None and eval_interval.default is None else []
-
-
 def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """``(argv + the defaults the launcher sets, those defaults as text)``; flags given in ``argv`` win.
 
@@ -346,15 +283,13 @@ def _print_help() -> None:
     print("\nRuns a Megatron-LM training script unmodified with megatron-longctx installed. Without CUDA it "
           "enters megatron_longctx.cpu_compat and sets the CPU defaults (gloo, CUDA-only fusions off); "
           "flags given explicitly win. Megatron-LM's arguments, with the megatron-longctx group:\n")
-    try:
-        from megatron_longctx.megatron.args import megatron_parser
+    import argparse
 
+    from megatron_longctx.megatron.args import add_longctx_args, megatron_parser
+
+    try:
         parser = megatron_parser()
     except ImportError:  # megatron-core without megatron.training: our group alone
-        import argparse
-
-        from megatron_longctx.megatron.args import add_longctx_args
-
         parser = add_longctx_args(argparse.ArgumentParser(prog="megatron_longctx.launch", add_help=False))
     parser.prog = "megatron_longctx.launch <script.py>"
     parser.print_help()

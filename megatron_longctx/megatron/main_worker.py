@@ -192,11 +192,11 @@ def _install_hooks(log: StepLog, watchdog: StallWatchdog) -> list[tuple[Any, str
     from megatron.core.datasets import utils as datasets_utils
     from megatron.training import arguments, training
 
-    from megatron_longctx.megatron.launch import _skip_built_helpers
+    from megatron_longctx.megatron.script_setup import wrap_compile_helpers
 
     targets = [(training, "train_step", lambda f: _wrap_train_step(f, log, watchdog)),
                (training, "save_checkpoint", lambda f: _wrap_save_checkpoint(f, watchdog)),
-               (datasets_utils, "compile_helpers", _skip_built_helpers),  # the wheel ships helpers_cpp, no Makefile
+               (datasets_utils, "compile_helpers", wrap_compile_helpers),  # the wheel ships helpers_cpp, no Makefile
                (arguments, "_print_args", lambda f: _quiet_print_args),
                (training, "update_pg_timeout", _wrap_update_pg_timeout)]  # 900 lines of argument dump
     saved = []

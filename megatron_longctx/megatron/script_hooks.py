@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 from megatron_longctx.config import LongContextConfig
 from megatron_longctx.megatron.args import add_longctx_args
+from megatron_longctx.megatron.script_setup import skip_built_helpers
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -21,8 +22,6 @@ def extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvider:
 
     Like the launcher, it also skips Megatron's start-up build of the dataset helpers when the compiled
     ``helpers_cpp`` imports (the megatron-core wheel ships it without the Makefile)."""
-    from megatron_longctx.megatron.launch import skip_built_helpers
-
     skip_built_helpers()
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

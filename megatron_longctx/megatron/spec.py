@@ -143,7 +143,9 @@ def transform_spec(spec: Any, cfg: LongContextConfig, require: bool = True) -> A
         raise ValueError(f"apply_to_spec found no self-attention core_attention in {type(spec).__name__}; pass a "
                          "Megatron layer spec (e.g. get_gpt_layer_local_spec()), block spec or stack spec")
     if cfg.memory.any_enabled:
-        out = _apply_memory(out, cfg)
+        from megatron_longctx.memory import apply_memory_to_layer_spec
+
+        out = apply_memory_to_layer_spec(out, cfg.memory)
     return out
 
 
@@ -175,10 +177,3 @@ def count_context_parallel_attention(spec: Any) -> int:
     return walk(spec)
 
 
-def _apply_memory(spec: Any, cfg: LongContextConfig) -> Any:
-    try:
-        from megatron_longctx.memory import apply_memory_to_layer_spec
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"memory options were given ({cfg.memory}) but "
-                           f"megatron_longctx.memory.apply_memory_to_layer_spec is unavailable ({exc})") from exc
-    return apply_memory_to_layer_spec(spec, cfg.memory)

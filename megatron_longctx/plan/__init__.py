@@ -8,14 +8,15 @@
 * :mod:`.efficiency` — achieved shares of peak per GPU and kernel backend, and ``--calibrate``;
 * :mod:`.flops` — model FLOPs in Megatron's and NeMo's conventions (TFLOP/s, MFU);
 * :mod:`.presets` — Llama-2-7B, Llama-3-8B/70B, Mixtral-8x7B, DeepSeek-V2-Lite; H100/H200/B200/A100;
-* :mod:`.recommend` — the search; :mod:`.advice` — what to change when nothing fits;
+* :mod:`.search` — the search; :mod:`.advice` — what to change when nothing fits; :mod:`.recommend` — both;
 * :mod:`.flags` — Megatron-LM and ``--longctx-*`` flags of a plan; :mod:`.cli` — the command;
   :mod:`.recipes` — the planner's header of the recipes in ``examples/``.
 """
 
 from megatron_longctx.plan.memory import MemoryBreakdown, memory_breakdown
 from megatron_longctx.plan.model import MemoryOptions, ModelShape, Parallel
-from megatron_longctx.plan.recommend import Constraints, Plan, PlanInfeasible, evaluate, recommend
+from megatron_longctx.plan.recommend import recommend
+from megatron_longctx.plan.search import Constraints, Plan, PlanInfeasible, evaluate
 from megatron_longctx.plan.timing import Hardware, step_time
 
 __all__ = ["Constraints", "Hardware", "MemoryBreakdown", "MemoryOptions", "ModelShape", "Parallel", "Plan",

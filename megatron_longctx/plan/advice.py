@@ -13,8 +13,8 @@ from typing import Optional
 
 from .efficiency import Efficiencies
 from .model import GIB, ModelShape
-from .recommend import (
-    HOST_MARGIN, MEMORY_MARGIN, Constraints, Plan, PlanInfeasible, _SEARCHED, closest, describe, recommend,
+from .search import (
+    HOST_MARGIN, MEMORY_MARGIN, Constraints, Plan, PlanInfeasible, _SEARCHED, closest, describe, fastest_fitting,
 )
 from .timing import Hardware
 
@@ -25,7 +25,7 @@ MAX_GPU_FACTOR = 64
 def _try(m: ModelShape, s: int, n: int, hw: Hardware, c: Constraints, mb: int,
          eff: Optional[Efficiencies]) -> Optional[Plan]:
     try:
-        return recommend(m, s, n, hw, c, mb, eff, advise=False)
+        return fastest_fitting(m, s, n, hw, c, mb, eff)[0]
     except PlanInfeasible:
         return None
 

@@ -23,7 +23,8 @@ from . import presets
 from .efficiency import ATTENTION_BACKENDS, load_calibration, resolve
 from .flops import model_flops
 from .model import GIB, GRAD_DTYPES, ModelShape
-from .recommend import CP_COMM_TYPES, Constraints, Plan, PlanInfeasible, describe, recommend
+from .recommend import recommend
+from .search import CP_COMM_TYPES, Constraints, Plan, PlanInfeasible, describe
 from .timing import Hardware, StepTime, ring_overlap_tokens
 
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",

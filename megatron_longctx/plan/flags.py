@@ -21,7 +21,7 @@ from megatron_longctx.config import (
 )
 
 from .model import GIB, ModelShape
-from .recommend import Plan
+from .search import Plan
 
 # Megatron's --cp-comm-type -> the plugin's algorithm (the plugin's "auto" follows --cp-comm-type too).
 _ALGORITHM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}

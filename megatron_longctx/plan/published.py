@@ -20,7 +20,7 @@ from . import presets
 from .efficiency import resolve
 from .flops import model_flops
 from .model import MemoryOptions, Parallel
-from .recommend import evaluate
+from .search import evaluate
 
 # (K tokens, TP, CP, DP, published TFLOP/s per GPU)
 NEMO_H100 = ((32, 2, 2, 8, 610), (64, 4, 2, 8, 574), (128, 4, 4, 8, 555), (256, 4, 8, 8, 549),

@@ -20,7 +20,8 @@ import textwrap
 from . import presets
 from .cli import warnings
 from .model import GIB, MemoryOptions, ModelShape, Parallel
-from .recommend import Constraints, Plan, PlanInfeasible, describe, evaluate, recommend
+from .recommend import recommend
+from .search import Constraints, Plan, PlanInfeasible, describe, evaluate
 
 GPU = "h200"
 _SUBSTITUTE = {'"$TRAIN_ITERS"': "20", '"$OUTPUT_DIR/checkpoints"': "runs/ckpt",
