@@ -145,9 +145,9 @@ def a2a_ring_attention(
     out as soon as the ring's gradients exist, before those travel back.
     """
     u = dist.get_world_size(a2a_group)
-    schedule, index = ring_schedule(layout.coarsen(u), args.mask), pooled_index(layout, u, q.device)
+    schedule, halves = ring_schedule(layout.coarsen(u), args.mask), in_halves(layout, q)
+    index = None if halves else pooled_index(layout, u, q.device)  # the in-place halves need no index
     f = kv_replication(q.shape[2], k.shape[2], u)
-    halves = in_halves(layout, q)
     q_h = _SeqToHeads.apply(q, a2a_group, index, halves, 1)  # [b, U*t, h_q/U, d_qk]
     k_h = _SeqToHeads.apply(k, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_qk]
     v_h = _SeqToHeads.apply(v, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_v]
