@@ -5,8 +5,10 @@ torch's ``nn.RMSNorm`` (what Megatron's local spec builds without apex or Transf
 normalised input, the product before the weight, and the square for the power's backward, about
 three hidden-size tensors per token for each norm.  A fused norm (TE's ``RMSNorm``, apex's
 ``FusedRMSNorm``) keeps its input, usually alive anyway as the residual, and one float32 per token.
-:func:`lean_rms_norm` does the same in plain PyTorch, the normalised input recomputed in backward.  The statistics are float32 (float64 for float64 inputs).  :func:`install_lean_norms` swaps it into the ``nn.RMSNorm`` modules of a
-model (same parameters and ``state_dict``); ``--longctx-lean-norm`` turns it on.
+:func:`lean_rms_norm` does the same in plain PyTorch, the normalised input recomputed in backward;
+the statistics are float32 (float64 for float64 inputs).  :func:`install_lean_norms` swaps it into the
+``nn.RMSNorm`` modules of a model (same parameters and ``state_dict``); ``--longctx-lean-norm`` turns
+it on.
 """
 
 from __future__ import annotations

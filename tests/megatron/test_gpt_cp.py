@@ -135,10 +135,11 @@ def test_hybrid_on_megatron_hierarchical_groups():
 
 def _per_layer_comm_types():
     """A per-layer --cp-comm-type list picks each layer's algorithm by layer_number - 1 (both versions)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
     from megatron_longctx import cpu_compat
     from megatron_longctx.config import ContextParallelConfig
     from megatron_longctx.megatron.core_attention import ContextParallelAttention
-    from megatron.core.transformer.enums import AttnMaskType
 
     with cpu_compat.enabled(), megatron_parallel(cp=2):
         cfg = tiny_config(1, 2, cp_comm_type=["a2a", "p2p"])
