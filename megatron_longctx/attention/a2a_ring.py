@@ -56,9 +56,10 @@ def in_halves(layout: SeqLayout, x: torch.Tensor) -> bool:
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, index, halves: bool = False) -> torch.Tensor:
     """``[b, t, h, d]`` (this rank's shard) -> ``[b, U*t, h/U, d]``: head group ``rank`` of the coarse shard.
 
-    ``index``: :func:`.layout.pooled_index` of the layout for ``U`` = size of ``group``.  ``halves``
-    (:func:`in_halves`): each chunk travels in its own all-to-all straight into the result, which
-    then needs no reordered copy (only the second half is flipped).
+    ``index``: :func:`.layout.pooled_index` of the layout for ``U`` = size of ``group`` (unused, and
+    may be None, with ``halves``).  ``halves`` (:func:`in_halves`): each chunk travels in its own
+    all-to-all straight into the result, which then needs no reordered copy (only the second half is
+    flipped).
     """
     u = dist.get_world_size(group)
     b, t, h, d = x.shape
