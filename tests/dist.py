@@ -26,18 +26,13 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
+from megatron_longctx.procs import free_port
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("LONGCTX_TEST_TIMEOUT", "240"))
 _GRACE_S = 20.0  # how long the other ranks get to finish or fail once one rank has failed
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _live_groups() -> set:

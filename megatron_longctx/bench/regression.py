@@ -102,7 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ----------------------------------------------------------------------------------------- launching
 PROBE_ENV = {"PYTHONWARNINGS": "ignore"}
-PROBE_ENV_DEFAULTS = RSS_TRACKS_TENSORS_ENV  # resident memory tracks live tensors
 
 
 def run_probe_job(task: dict[str, Any], nproc: int, timeout: float) -> tuple[int, str, list[dict[str, Any]]]:
@@ -114,7 +113,7 @@ def run_probe_job(task: dict[str, Any], nproc: int, timeout: float) -> tuple[int
         with open(task_path, "w") as f:
             json.dump(task, f)
         rc, output = procs.torchrun("megatron_longctx.bench.probe", [task_path], nproc, timeout, PROBE_ENV,
-                                    defaults=PROBE_ENV_DEFAULTS)
+                                    defaults=RSS_TRACKS_TENSORS_ENV)  # RSS tracks live tensors
         records = []
         if os.path.exists(task["out"]):
             with open(task["out"]) as f:
