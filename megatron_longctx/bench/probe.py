@@ -34,6 +34,14 @@ from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, GPTShape, Opti
 from megatron_longctx.memory.accounting import rss_bytes
 
 
+# Local tokens of the job's warm-up point.  MKL keeps the packing buffers of its larger matrix products
+# for the life of the process (about 3.5 MiB for the llama preset), and products of a few dozen tokens
+# per rank do not make them: a warm-up that short leaves them to the first measured point of the job,
+# whose base is measured before them, while every later point's base holds them already.  At 512
+# tokens per rank the first point measures what the later ones do.
+WARMUP_TOKENS_PER_RANK = 512
+
+
 def model_flops_per_step(shape: GPTShape, tokens: int) -> float:
     """Model FLOPs of one training step (forward + backward, causal attention, no recompute counted)."""
     h, f, layers, s = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers, shape.seq_length
@@ -115,7 +123,8 @@ def run_task(task: dict[str, Any]) -> list[dict[str, Any]]:
     prefix = data_mod.ensure_stdlib_dataset(task["data_dir"], max(4 << 20, 2 * needed), tokenizer)
     # One short untimed, unbudgeted point first: lazy initialisation (BLAS scratch, autograd and gloo
     # threads, Megatron's global buffers) then belongs to no measured point.
-    measure_point(dict(task, budget_bytes=None, warmup=0, steps=1), task["configs"][0], 64 * task["cp"], prefix)
+    measure_point(dict(task, budget_bytes=None, warmup=0, steps=1), task["configs"][0],
+                  WARMUP_TOKENS_PER_RANK * task["cp"], prefix)
     if task.get("search"):
         from megatron_longctx.bench.maxseq import run_in_job
 

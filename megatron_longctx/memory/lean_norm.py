@@ -41,15 +41,21 @@ class _LeanRMSNorm(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         acc = rstd.dtype
-        xhat = x.to(acc) * rstd.to(acc)  # [..., h]
+        # Two [..., h] buffers of its own at most, xhat and g (the weight gradient's product dies before g
+        # is made; products with xhat or the weight promote a low-precision dy without a copy of it):
+        # the rest is done in place in them.  dy may be shared with other consumers: never written.
+        xhat = x.to(acc) * rstd  # [..., h]
         dw = None
-        g = dy.to(acc)
         if weight is not None:
             if ctx.needs_input_grad[1]:
-                dw = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-            g = g * weight.to(acc)
-        # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat))
-        dx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.to(acc)
+                dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)  # [h]
+            g = dy * weight.to(acc)  # [..., h] in acc
+        else:
+            g = dy.to(acc, copy=True)  # [..., h]
+        # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat)); the row dot product as a batched
+        # [1, h] @ [h, 1] matmul makes no [..., h] product
+        mean = torch.matmul(g.unsqueeze(-2), xhat.unsqueeze(-1)).squeeze(-1).div_(x.shape[-1])  # [..., 1]
+        dx = g.sub_(xhat.mul_(mean)).mul_(rstd)  # [..., h], in g's buffer
         return dx.to(x.dtype), dw, None
 
 

@@ -95,6 +95,7 @@ def tiled_loss_forward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.
         torch.matmul(grad_logits, weight, out=d_hidden[start:end])  # [t, b, h]
         d_weight.addmm_(grad_logits.reshape(-1, v_local).t().to(d_weight.dtype),
                         h.reshape(-1, h.shape[-1]).to(d_weight.dtype))  # [V/tp, h], accumulated in float32
+        del logits, grad_logits  # this tile's [t, b, V/tp] buffer is gone before the next one is made
     return loss, lse, d_hidden, d_weight
 
 
@@ -128,6 +129,7 @@ def tiled_loss_backward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch
             grad_logits = _softmax_minus_onehot(probs, target.reshape(-1)[idx], rank * weight.shape[0])
             scale = (grad_loss.reshape(-1)[idx] - common).unsqueeze(-1)  # [r_t, 1]
             grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), (scale * h).to(grad_weight.dtype))  # [V/tp, h]
+            del probs, grad_logits  # one [r_t, V/tp] tile alive at a time
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
@@ -161,7 +163,8 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
         output_weight: ``[V/tp, h]`` this TP rank's vocabulary rows (rank r owns rows ``r·V/tp ...``).
         labels: ``[b, s]`` token ids.
         tp_group: the vocab-parallel (tensor-parallel) group, or None.
-        num_tiles: sequence tiles; peak extra memory is one ``[s/num_tiles, b, V/tp]`` float32 tile, and
+        num_tiles: sequence tiles; peak extra memory is one ``[s/num_tiles, b, V/tp]`` float32 tile (each
+            tile's buffer is released before the next tile's is allocated), and
             ``[s, b, h]`` + ``[V/tp, h]`` float32 held from forward to backward.
         reduce_grad_input: all-reduce ``d hidden`` over ``tp_group`` (hidden replicated, as in a
             ColumnParallelLinear without sequence parallel); False when the caller's gather reduces it.

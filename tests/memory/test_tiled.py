@@ -125,6 +125,37 @@ def test_tiled_loss_backward_in_forward_any_incoming_gradient():
     torch.testing.assert_close(w.grad.double(), exact[1]["weight"], rtol=1e-5, atol=1e-6)
 
 
+def test_tiled_loss_holds_one_logits_tile_at_a_time():
+    """Peak bytes the tiled loss creates, forward and backward (masked tokens corrected): one logits tile."""
+    from megatron_longctx.bench.live_memory import LiveTensors
+    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+
+    g = torch.Generator().manual_seed(2)
+    s, b, h, vocab, tiles = 64, 1, 8, 4096, 4
+    hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+    weight = torch.randn(vocab, h, dtype=torch.float64, generator=g) / 4
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.float64)
+    mask[0, 40:] = 0  # a whole tile of tokens whose gradient differs: recomputed tile by tile in backward
+    grad_out = mask / mask.sum()
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    tile = s // tiles * b * vocab * 8  # one [s/tiles, b, V] float64 logits tile
+    with LiveTensors() as live:
+        held = (x.view_as(x), w.view_as(w))  # the inputs' storages are counted from here on, outside the peaks
+        start = live.peak = live.live
+        loss = tiled_logits_loss(x, w, labels, None, tiles)
+        forward_peak = live.peak - start
+        live.peak = live.live
+        (loss * grad_out).sum().backward()
+        backward_peak = live.peak - start
+        del held
+    kept = vocab * h * 8 + s * b * h * 8  # D^T h [V, h] and D @ W [s, b, h], kept for backward
+    assert forward_peak <= kept + tile + tile // 8, (forward_peak, kept, tile)  # two tiles at once before
+    assert backward_peak <= kept + tile + tile // 8, (backward_peak, kept, tile)
+    exact = _float64_oracle(hidden, weight, labels, grad_out)
+    assert_same(exact, (loss.detach(), {"hidden": x.grad, "weight": w.grad}))
+
+
 def _gpt_tiled_matches_plain():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
