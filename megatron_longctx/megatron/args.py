@@ -143,7 +143,7 @@ def config_from_args(args: argparse.Namespace) -> LongContextConfig:
             if isinstance(value, list):
                 value = tuple(item for v in value for item in v.replace(",", " ").split())
             values[f.name] = value
-    values.update(plugin_recompute(args, values.get("offload_policy", "none")))
+    values.update(plugin_recompute(args, values.get("offload_policy", "none"), values.get("recompute_tiles", 0)))
     return LongContextConfig.from_flat(values)
 
 
@@ -159,12 +159,13 @@ def _megatron_cannot(args: argparse.Namespace, modules: tuple) -> list[str]:
     return failing
 
 
-def plugin_recompute(args: argparse.Namespace, offload_policy: str) -> dict[str, Any]:
+def plugin_recompute(args: argparse.Namespace, offload_policy: str, recompute_tiles: int = 0) -> dict[str, Any]:
     """The ``MemoryConfig.recompute_*`` values: the part of Megatron's ``--recompute-*`` the plugin runs.
 
     Megatron runs its own recompute, except where it cannot here: selective ``layernorm`` / ``mlp`` with a
-    bias without Transformer Engine (:func:`_megatron_cannot`), and full recompute whose checkpointed
-    inputs ``--longctx-offload-policy checkpoint`` offloads.  Then the plugin runs all of it (same
+    bias without Transformer Engine (:func:`_megatron_cannot`), full recompute whose checkpointed
+    inputs ``--longctx-offload-policy checkpoint`` offloads, and full recompute replayed in sequence tiles
+    (``--longctx-recompute-tiles``).  Then the plugin runs all of it (same
     modules, same layers) and the model is built with Megatron's recompute off.  ``{}``: Megatron's own.
     """
     granularity = getattr(args, "recompute_granularity", None)
@@ -173,7 +174,7 @@ def plugin_recompute(args: argparse.Namespace, offload_policy: str) -> dict[str,
     if granularity not in ("full", "selective"):
         return {}
     modules = tuple(getattr(args, "recompute_modules", None) or ("core_attn",))
-    if granularity == "full" and offload_policy != "checkpoint":
+    if granularity == "full" and offload_policy != "checkpoint" and recompute_tiles <= 1:
         return {}
     if granularity == "selective":
         failing = _megatron_cannot(args, modules)

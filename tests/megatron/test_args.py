@@ -150,6 +150,10 @@ def _ns(**kw):
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2,
           longctx_offload_policy="checkpoint"),
      dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)),
+    # So does the replay in sequence tiles, which Megatron's recompute has no counterpart of.
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+          longctx_recompute_tiles=8),
+     dict(recompute_granularity="full", recompute_method="uniform", recompute_tiles=8)),
 ])
 def test_megatron_recompute_flags_fill_the_memory_config(megatron, expected):
     memory = config_from_args(_ns(**megatron)).memory
