@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .allgather import _gather_kv
+from .allgather import gather_kv
 from .args import AttentionArgs
 from .comm import reduce_scatter, unpack
 from .layout import SeqLayout, pooled_index, to_ranks
@@ -70,7 +70,7 @@ class TiledKV:
             self.k_all, self.v_all = self._k, self._v
         else:
             index = pooled_index(self.layout, self.cp, self._k.device)
-            self.k_all, self.v_all = _gather_kv(self._k, self._v, self.group, index)
+            self.k_all, self.v_all = gather_kv(self._k, self._v, self.group, index)
         self._k = self._v = None
         if with_grads:
             acc = torch.promote_types(self.k_all.dtype, torch.float32)
