@@ -21,6 +21,7 @@ import typing
 from typing import Any, Optional, Sequence
 
 from megatron_longctx.config import (
+    CP_COMM_TYPE_TO_ALGORITHM,
     FEATURES,
     MEGATRON_FLAGS,
     LongContextConfig,
@@ -224,4 +225,26 @@ def check_after_parsing(args: argparse.Namespace) -> LongContextConfig:
         raise ValueError(f"--attention-dropout: {dropout} is not supported with context parallelism "
                          f"(--context-parallel-size {cp_size}) by megatron-longctx's attention; "
                          "set --attention-dropout 0")
+    if cfg.memory.recompute_tiles > 1:
+        _check_recompute_tiles(args, cfg, cp_size)
     return cfg
+
+
+def _check_recompute_tiles(args: argparse.Namespace, cfg: LongContextConfig, cp_size: int) -> None:
+    """The layer replay in sequence tiles gathers K/V over CP, and cannot replay dropout per tile."""
+    flag = flag_name("recompute_tiles")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if getattr(args, name, 0.0):
+            raise ValueError(f"{flag}: --{name.replace('_', '-')} {getattr(args, name)} would draw other masks per "
+                             f"tile; set it to 0, or set {flag} 0")
+    if cp_size <= 1:
+        return
+    algorithm = cfg.cp.cp_algorithm
+    if algorithm == "auto":
+        comm = getattr(args, "cp_comm_type", None) or "p2p"
+        comms = comm if isinstance(comm, (list, tuple)) else [comm]
+        algorithm = "allgather" if all(CP_COMM_TYPE_TO_ALGORITHM.get(c) == "allgather" for c in comms) else comm
+    if algorithm != "allgather":
+        raise ValueError(f"{flag}: a layer replayed in tiles gathers K/V once over the CP group (all-gather), "
+                         f"but the CP algorithm is {algorithm!r}; add --cp-comm-type all_gather (or "
+                         f"--longctx-cp-algorithm allgather), or set {flag} 0")
