@@ -111,8 +111,9 @@ class _TiledCall:
     """One replayed layer call: the function, its arguments, and what each tile gets."""
 
     fn: Callable
-    args: tuple
-    kwargs: dict
+    positional: bool  # the hidden states came as the first positional argument (else as a keyword)
+    rest: tuple  # the positional arguments after the hidden states (never the hidden states themselves:
+    kwargs: dict  # the layer input must die with the forward unless save_for_backward's packer keeps it)
     num_tiles: int
     rng: RngSnapshot
     out_spec: Any = None
@@ -121,8 +122,8 @@ class _TiledCall:
 
     def run_tile(self, x_t: torch.Tensor, lo: int, hi: int) -> Any:
         kwargs = {k: (_rows(v, lo, hi) if k in PER_TOKEN_KWARGS else v) for k, v in self.kwargs.items()}
-        if self.args:
-            return self.fn(x_t, *self.args[1:], **kwargs)
+        if self.positional:
+            return self.fn(x_t, *self.rest, **kwargs)
         return self.fn(hidden_states=x_t, **kwargs)
 
 
@@ -254,7 +255,7 @@ def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *a
     if others:
         raise ValueError("--longctx-recompute-tiles: only the layer's hidden states may require grad "
                          "(another tensor argument does); set --longctx-recompute-tiles 0")
-    call = _TiledCall(fn=fn, args=(x, *args[1:]) if args else (), kwargs=kwargs, num_tiles=num_tiles,
+    call = _TiledCall(fn=fn, positional=bool(args), rest=tuple(args[1:]), kwargs=kwargs, num_tiles=num_tiles,
                       rng=RngSnapshot.capture())
     trainable = tuple(p for p in params() if p.requires_grad)
     outs = TiledCheckpointFunction.apply(call, x, *trainable)

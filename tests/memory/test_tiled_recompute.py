@@ -5,6 +5,8 @@ Oracles: float64 attention over the whole sequence (``tests.oracle``) for the ti
 same GPTModel without memory features, float64, same seeds, for the replayed layers.
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention import tiled
 from megatron_longctx.attention.tiled import TiledKV
 from megatron_longctx.memory import MemoryConfig
+from megatron_longctx.memory import tiled_recompute
 from megatron_longctx.memory.tiled_recompute import tile_bounds
 from tests.dist import megatron_parallel, run_ranks
 from tests.gpt_kit import ORACLE, ORACLE_SEQ, assert_same, batch, build_gpt, cpu, loss_and_grads
@@ -55,6 +58,61 @@ def test_tile_attention_matches_whole_sequence_float64(window, key_block, monkey
     dk, dv = kv.kv_grads(0, s, torch.float64)
     torch.testing.assert_close(torch.cat(outs), ref.detach(), rtol=1e-10, atol=1e-12)
     for got, want in zip((dq, dk, dv), ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class _ToyLayer(torch.nn.Module):
+    """Norm-free pre-attention projection, causal attention, output projection and residual; its attention
+    takes part in a tiled replay as ContextParallelAttention does."""
+
+    def __init__(self, h=16, heads=4):
+        super().__init__()
+        self.heads, self.d = heads, h // heads
+        self.qkv = torch.nn.Linear(h, 3 * h, dtype=torch.float64)
+        self.out = torch.nn.Linear(h, h, dtype=torch.float64)
+
+    def forward(self, hidden_states, scale=1.0):
+        t, b, _ = hidden_states.shape
+        q, k, v = (x.reshape(t, b, self.heads, self.d) for x in self.qkv(hidden_states).chunk(3, dim=-1))
+        replay = tiled_recompute.current()
+        if replay is None:
+            o = sequence_attention(q, k, v, True, None, self.d ** -0.5)
+        else:
+            kv = replay.state_for(self, lambda: TiledKV(None, replay.seq_len, attention_args(q, True, None, None, None)))
+            if replay.mode == tiled_recompute.COLLECT:
+                kv.store(replay.lo, replay.hi, k, v)
+                raise tiled_recompute.ReplayStop()
+            if replay.mode == tiled_recompute.KV_GRAD:
+                raise tiled_recompute.ReplayStop((k, v), kv.kv_grads(replay.lo, replay.hi, k.dtype))
+            o = kv.attend(q, replay.lo, replay.hi)
+        return self.out(o.reshape(t, b, -1)) * scale + hidden_states, None
+
+
+def test_tiled_checkpoint_of_a_toy_layer_matches_float64_and_keeps_no_input():
+    torch.manual_seed(1)
+    layer = _ToyLayer()
+    x0 = torch.randn(19, 2, 16, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(19, 2, 16, dtype=torch.float64)
+
+    def grads(tiles):
+        layer.zero_grad()
+        h = x0 * 1.5  # the layer input, a non-leaf the caller lets go of
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):  # a copying packer
+            y, none = (tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, scale=0.5) if tiles
+                       else layer(h, scale=0.5))
+        alive = weakref.ref(h)
+        del h
+        kept = alive() is not None
+        (dx,) = torch.autograd.grad(y, x0, dy, retain_graph=True)
+        y.backward(dy)
+        return y.detach(), dx, [p.grad.clone() for p in layer.parameters()], none, kept
+
+    ref_y, ref_dx, ref_dp, _, _ = grads(0)
+    y, dx, dp, none, kept = grads(5)
+    assert none is None and not kept  # only the packer's copy of the input outlives the forward
+    torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-10, atol=1e-12)
+    for got, want in zip(dp, ref_dp):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
