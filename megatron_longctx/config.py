@@ -194,6 +194,11 @@ class MemoryConfig:
         metadata={"help": f"selective recompute: modules to recompute ({', '.join(RECOMPUTE_MODULE_NAMES)}); "
                           "from Megatron's --recompute-modules"},
     )
+    recompute_tiles: int = field(
+        default=0,
+        metadata={"help": "full recompute: replay each layer in this many sequence tiles, attention over K/V "
+                          "gathered once per layer (needs the all-gather CP algorithm; 0 or 1 = off)"},
+    )
     tiled_mlp_tiles: int = field(
         default=0, metadata={"help": "run each MLP over this many sequence tiles (0 or 1 = off)"}
     )
@@ -221,7 +226,7 @@ class MemoryConfig:
 
     def _check_numbers(self) -> None:
         for name in ("offload_num_layers", "offload_min_bytes", "offload_host_pool_bytes", "recompute_num_layers",
-                     "tiled_mlp_tiles", "tiled_loss_tiles"):
+                     "recompute_tiles", "tiled_mlp_tiles", "tiled_loss_tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise flag_error(name, f"got {value!r}; give an integer >= 0")
@@ -235,6 +240,9 @@ class MemoryConfig:
             raise flag_error("offload_policy", "'checkpoint' offloads the checkpointed layer inputs of full "
                                                "recompute; also set --recompute-granularity full, or use policy "
                                                "'modules'/'layers'")
+        if self.recompute_tiles > 1 and self.recompute_granularity != "full":
+            raise flag_error("recompute_tiles", "replays layers of full recompute in tiles; also set "
+                                                "--recompute-granularity full, or set it to 0")
         if self.offload_policy == "modules" and not self.offload_modules:
             raise flag_error("offload_modules", "offload_policy=modules needs at least one module name")
         if self.recompute_granularity == "selective" and not self.recompute_modules:

@@ -21,7 +21,7 @@ from .schedule import allgather_calls
 from .segments import attend_segments, attend_segments_backward, new_accumulators
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index):
+def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index):
     """Local k ``[b, t, h_kv, d_qk]``, v ``[b, t, h_kv, d_v]`` -> the gathered ones ``[b, P*t, h_kv, d]``."""
     p = dist.get_world_size(group)
     gathered = all_gather(pack([k, v]), group)  # [P, numel(k) + numel(v)]
@@ -36,7 +36,7 @@ def allgather_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[b, t, h_q, d_qk]``, k/v ``[b, t, h_kv, d]`` (this rank's shard of ``layout``)
     -> out ``[b, t, h_q, d_v]`` (dtype of q), lse ``[b, h_q, t]``."""
-    k_all, v_all = _gather_kv(k, v, group, pooled_index(layout, layout.cp_size, q.device))
+    k_all, v_all = gather_kv(k, v, group, pooled_index(layout, layout.cp_size, q.device))
     calls = allgather_calls(layout, dist.get_rank(group), args.mask)
     out, lse = new_accumulators(q, v.shape[-1])
     attend_segments(q, k_all, v_all, calls, args.softmax_scale, args.backend, out, lse)
@@ -58,7 +58,7 @@ def allgather_backward(
     accumulator dtype (float32; float64 for float64 inputs)."""
     p, acc = dist.get_world_size(group), lse.dtype
     index = pooled_index(layout, p, q.device)
-    k_all, v_all = _gather_kv(k, v, group, index)
+    k_all, v_all = gather_kv(k, v, group, index)
     calls = allgather_calls(layout, dist.get_rank(group), args.mask)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, t, h_q, d_qk]
     dk_all = torch.zeros(k_all.shape, dtype=acc, device=q.device)  # [b, P*t, h_kv, d_qk]

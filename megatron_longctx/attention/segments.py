@@ -127,6 +127,38 @@ def _trim(mask: BlockMask, q_lo, q_hi, q_start, k_lo, k_hi, k_start) -> BlockCal
     return BlockCall(q_lo, q_hi, k_lo, k_hi, mask, q_first, k_first, pairs)
 
 
+def restrict_rows(calls: tuple[BlockCall, ...], lo: int, hi: int) -> tuple[BlockCall, ...]:
+    """``calls`` cut to query rows ``[lo, hi)``, with rows renumbered from ``lo`` (a query tile).
+
+    Each call's mask and positions hold row by row, so cutting rows keeps them exact; keys no row of
+    the cut sees are trimmed away again.
+    """
+    out = []
+    for c in calls:
+        q_lo, q_hi = max(c.q_lo, lo), min(c.q_hi, hi)
+        if q_lo >= q_hi:
+            continue
+        cut = _trim(c.mask, q_lo - lo, q_hi - lo, c.q_start + (q_lo - c.q_lo), c.k_lo, c.k_hi, c.k_start)
+        if cut is not None:
+            out.append(cut)
+    return tuple(out)
+
+
+def split_keys(calls: tuple[BlockCall, ...], block: int) -> tuple[BlockCall, ...]:
+    """``calls`` with every key range cut into runs of at most ``block`` keys (rows that see none dropped).
+
+    Each piece's backward then returns dK/dV for at most ``block`` keys.
+    """
+    out = []
+    for c in calls:
+        for k_lo in range(c.k_lo, c.k_hi, block):
+            k_hi = min(k_lo + block, c.k_hi)
+            cut = _trim(c.mask, c.q_lo, c.q_hi, c.q_start, k_lo, k_hi, c.k_start + (k_lo - c.k_lo))
+            if cut is not None:
+                out.append(cut)
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=4096)
 def schedule_blocks(q_segs: Segments, k_segs: Segments, mask: BlockMask) -> tuple[BlockCall, ...]:
     """Kernel calls that compute attention of ``q_segs`` over ``k_segs`` under ``mask``.

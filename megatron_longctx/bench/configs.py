@@ -15,7 +15,8 @@ Baselines are what a Megatron user runs without this plugin, at the same ranks a
   user has before this plugin's memory features).
 
 The plugin runs at CP = world size with each CP algorithm, then with its memory features (checkpoint
-offload, tiled MLP / loss) on top of ring.  A configuration whose feature is missing or refuses this
+offload, tiled MLP / loss) on top of ring, and with every layer's recompute replayed in sequence tiles
+on top of all-gather (the tiled replay attends over K/V gathered once per layer).  A configuration whose feature is missing or refuses this
 layout is reported as ``unavailable: <reason>`` instead of failing the benchmark.
 """
 
@@ -38,6 +39,11 @@ TILED = (("tiled_mlp_tiles", 4), ("tiled_loss_tiles", 4))
 # Tiles sized per sequence (as ALST does): at most this many tokens per rank in one tile, at least 4 tiles.
 MLP_TILE_TOKENS = 256
 LOSS_TILE_TOKENS = 128
+# Layers replayed in sequence tiles: at most this many tokens per rank in one tile, and no replay below
+# LAYER_TILE_MIN_TILES tiles' worth (the replay's extra passes over the Q/K/V projection cost more than
+# they save on a short sequence; there it is plain full recompute).
+LAYER_TILE_TOKENS = 512
+LAYER_TILE_MIN_TILES = 4
 
 
 def offload_options() -> tuple:
@@ -47,12 +53,20 @@ def offload_options() -> tuple:
 
 
 def tiles_for(variant: Variant, tokens_per_rank: int) -> Variant:
-    """``variant`` with its tiled MLP / loss tile counts sized for ``tokens_per_rank`` (unchanged if untiled)."""
+    """``variant`` with its tile counts sized for ``tokens_per_rank`` (unchanged if untiled): tiled MLP / loss
+    at least 4 tiles; the layer replay from :data:`LAYER_TILE_MIN_TILES` tiles on, off below."""
     options = variant.options()
     sized = {"tiled_mlp_tiles": MLP_TILE_TOKENS, "tiled_loss_tiles": LOSS_TILE_TOKENS}
     for key, tile in sized.items():
         if options.get(key):
             options[key] = max(4, -(-tokens_per_rank // tile))
+    if options.get("recompute_tiles"):
+        tiles = -(-tokens_per_rank // LAYER_TILE_TOKENS)
+        options["recompute_tiles"] = tiles if tiles >= LAYER_TILE_MIN_TILES else 0
+    if options.get("recompute_tiles", 0) > 1 and options.get("tiled_mlp_tiles"):
+        # Inside a replayed tile the MLP sees that tile only: its tiles are sized for it.
+        layer_tile = -(-tokens_per_rank // options["recompute_tiles"])
+        options["tiled_mlp_tiles"] = max(2, -(-layer_tile // MLP_TILE_TOKENS))
     return dataclasses.replace(variant, longctx_options=tuple(options.items()))
 
 
@@ -114,6 +128,10 @@ def default_configs(cp: int) -> list[BenchConfig]:
                f"(<= {MLP_TILE_TOKENS} / {LOSS_TILE_TOKENS} tokens per tile, >= 4 tiles)"),
         plugin("ring+all", "ring", offload_options() + TILED,
                f"plugin, CP={cp}, ring, recompute + checkpoint offload + tiled MLP/loss"),
+        plugin("allgather+all", "allgather", offload_options() + TILED + (("recompute_tiles", 4),),
+               f"plugin, CP={cp}, all-gather, recompute in sequence tiles (<= {LAYER_TILE_TOKENS} tokens per "
+               f"tile, from {LAYER_TILE_MIN_TILES * LAYER_TILE_TOKENS} tokens per rank on) + checkpoint offload + "
+               f"tiled MLP/loss"),
     ]
 
 

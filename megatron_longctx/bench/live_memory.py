@@ -93,7 +93,8 @@ class LiveTensors(TorchDispatchMode):
 
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(enter(name.replace("module.", "") or "(model)")))
-            self._handles.append(module.register_forward_hook(leave))
+            # always_call: a forward that raises (a tiled replay stops at its core attention) still leaves
+            self._handles.append(module.register_forward_hook(leave, always_call=True))
 
     def unwatch(self) -> None:
         while self._handles:
@@ -137,7 +138,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megatron_longctx.bench.configs import default_configs
 
     p = argparse.ArgumentParser(prog="python -m megatron_longctx.bench.live_memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="megatron-flash+cp+recompute,ring+all")
+    p.add_argument("--configs", default="megatron-flash+cp+recompute,ring+all,allgather+all")
     p.add_argument("--seq-lengths", default="2048,4096")
     p.add_argument("--preset", default="llama", choices=sorted(regression.PRESETS))
     p.add_argument("--nproc-per-node", type=int, default=2)

@@ -51,7 +51,7 @@ PRESETS: dict[str, dict[str, Any]] = {
              "ffn_hidden_size": 256, "vocab_size": None, "swiglu": False, "normalization": "LayerNorm",
              "add_bias_linear": True, "budget_mib": 64.0},
 }
-MAX_SEQ_DEFAULT = [c.name for c in baseline_configs(2)] + ["ring+all"]
+MAX_SEQ_DEFAULT = [c.name for c in baseline_configs(2)] + ["ring+all", "allgather+all"]
 
 
 def build_parser() -> argparse.ArgumentParser:

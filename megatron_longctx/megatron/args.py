@@ -21,6 +21,7 @@ import typing
 from typing import Any, Optional, Sequence
 
 from megatron_longctx.config import (
+    CP_COMM_TYPE_TO_ALGORITHM,
     FEATURES,
     MEGATRON_FLAGS,
     LongContextConfig,
@@ -143,7 +144,7 @@ def config_from_args(args: argparse.Namespace) -> LongContextConfig:
             if isinstance(value, list):
                 value = tuple(item for v in value for item in v.replace(",", " ").split())
             values[f.name] = value
-    values.update(plugin_recompute(args, values.get("offload_policy", "none")))
+    values.update(plugin_recompute(args, values.get("offload_policy", "none"), values.get("recompute_tiles", 0)))
     return LongContextConfig.from_flat(values)
 
 
@@ -159,12 +160,13 @@ def _megatron_cannot(args: argparse.Namespace, modules: tuple) -> list[str]:
     return failing
 
 
-def plugin_recompute(args: argparse.Namespace, offload_policy: str) -> dict[str, Any]:
+def plugin_recompute(args: argparse.Namespace, offload_policy: str, recompute_tiles: int = 0) -> dict[str, Any]:
     """The ``MemoryConfig.recompute_*`` values: the part of Megatron's ``--recompute-*`` the plugin runs.
 
     Megatron runs its own recompute, except where it cannot here: selective ``layernorm`` / ``mlp`` with a
-    bias without Transformer Engine (:func:`_megatron_cannot`), and full recompute whose checkpointed
-    inputs ``--longctx-offload-policy checkpoint`` offloads.  Then the plugin runs all of it (same
+    bias without Transformer Engine (:func:`_megatron_cannot`), full recompute whose checkpointed
+    inputs ``--longctx-offload-policy checkpoint`` offloads, and full recompute replayed in sequence tiles
+    (``--longctx-recompute-tiles``).  Then the plugin runs all of it (same
     modules, same layers) and the model is built with Megatron's recompute off.  ``{}``: Megatron's own.
     """
     granularity = getattr(args, "recompute_granularity", None)
@@ -173,7 +175,7 @@ def plugin_recompute(args: argparse.Namespace, offload_policy: str) -> dict[str,
     if granularity not in ("full", "selective"):
         return {}
     modules = tuple(getattr(args, "recompute_modules", None) or ("core_attn",))
-    if granularity == "full" and offload_policy != "checkpoint":
+    if granularity == "full" and offload_policy != "checkpoint" and recompute_tiles <= 1:
         return {}
     if granularity == "selective":
         failing = _megatron_cannot(args, modules)
@@ -223,4 +225,26 @@ def check_after_parsing(args: argparse.Namespace) -> LongContextConfig:
         raise ValueError(f"--attention-dropout: {dropout} is not supported with context parallelism "
                          f"(--context-parallel-size {cp_size}) by megatron-longctx's attention; "
                          "set --attention-dropout 0")
+    if cfg.memory.recompute_tiles > 1:
+        _check_recompute_tiles(args, cfg, cp_size)
     return cfg
+
+
+def _check_recompute_tiles(args: argparse.Namespace, cfg: LongContextConfig, cp_size: int) -> None:
+    """The layer replay in sequence tiles gathers K/V over CP, and cannot replay dropout per tile."""
+    flag = flag_name("recompute_tiles")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if getattr(args, name, 0.0):
+            raise ValueError(f"{flag}: --{name.replace('_', '-')} {getattr(args, name)} would draw other masks per "
+                             f"tile; set it to 0, or set {flag} 0")
+    if cp_size <= 1:
+        return
+    algorithm = cfg.cp.cp_algorithm
+    if algorithm == "auto":
+        comm = getattr(args, "cp_comm_type", None) or "p2p"
+        comms = comm if isinstance(comm, (list, tuple)) else [comm]
+        algorithm = "allgather" if all(CP_COMM_TYPE_TO_ALGORITHM.get(c) == "allgather" for c in comms) else comm
+    if algorithm != "allgather":
+        raise ValueError(f"{flag}: a layer replayed in tiles gathers K/V once over the CP group (all-gather), "
+                         f"but the CP algorithm is {algorithm!r}; add --cp-comm-type all_gather (or "
+                         f"--longctx-cp-algorithm allgather), or set {flag} 0")

@@ -27,7 +27,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longctx.attention import cp_attention
+from megatron_longctx.attention.args import attention_args
+from megatron_longctx.attention.tiled import TiledKV
 from megatron_longctx.config import CP_COMM_TYPE_TO_ALGORITHM, ContextParallelConfig
+from megatron_longctx.memory import tiled_recompute
 from megatron_longctx.megatron.local_attention import LocalAttentionArgs, local_attention_sbhd, local_attention_thd
 
 # Self-attention (sq == sk): bottom-right aligned causal is plain causal.
@@ -189,6 +192,10 @@ class ContextParallelAttention(MegatronModule):
                              "(e.g. drop --position-embedding-type alibi-style biases) or use Megatron's attention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         dropout_p = self.settings.dropout_p if self.training else 0.0
+        replay = tiled_recompute.current()
+        if replay is not None:
+            return self._forward_tile(replay, query, key, value, attention_mask, mask_type, dropout_p,
+                                      packed_seq_params)
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd":
             return self._forward_thd(query, key, value, mask_type, dropout_p, packed_seq_params)
         dense_mask = self._dense_mask(attention_mask, mask_type)
@@ -210,6 +217,40 @@ class ContextParallelAttention(MegatronModule):
                                  f"({2 * self.cp_size})")
             out = self._cp_attention(query, key, value, causal=mask_type in _CAUSAL_TYPES)
         # [sq, b, np, hn_v] -> [sq, b, np*hn_v]
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _forward_tile(self, replay: Any, query, key, value, attention_mask, mask_type, dropout_p: float,
+                      packed_seq_params: Any) -> torch.Tensor:
+        """One tile of a layer replayed in sequence tiles (``--longctx-recompute-tiles``, see
+        :mod:`megatron_longctx.memory.tiled_recompute`): store K/V, attend the tile's queries, or hand
+        back the tile's K/V gradients."""
+        if packed_seq_params is not None:
+            raise ValueError("--longctx-recompute-tiles: packed sequences (THD) are not replayed in tiles; "
+                             "set --longctx-recompute-tiles 0")
+        if dropout_p > 0:
+            raise ValueError(f"--longctx-recompute-tiles: attention dropout ({dropout_p}) would draw other masks "
+                             "per tile; set --attention-dropout 0")
+        if self._dense_mask(attention_mask, mask_type) is not None:
+            raise ValueError("--longctx-recompute-tiles: an arbitrary attention_mask is not replayed in tiles; "
+                             "use causal masking (--no-create-attention-mask-in-dataloader)")
+        if self.cp_size > 1 and self.settings.algorithm != "allgather":
+            raise ValueError(f"--longctx-recompute-tiles: a layer replayed in tiles gathers K/V once over the CP "
+                             f"group (all-gather attention), but this layer runs {self.settings.algorithm!r}; "
+                             "set --longctx-cp-algorithm allgather (or --cp-comm-type all_gather)")
+        causal = mask_type in _CAUSAL_TYPES
+
+        def make() -> TiledKV:
+            args = attention_args(query, causal, self.settings.softmax_scale, self.settings.window_size,
+                                  self.settings.backend)
+            return TiledKV(self.cp_group if self.cp_size > 1 else None, replay.seq_len, args)
+
+        kv = replay.state_for(self, make)
+        if replay.mode == tiled_recompute.COLLECT:
+            kv.store(replay.lo, replay.hi, key, value)
+            raise tiled_recompute.ReplayStop()
+        if replay.mode == tiled_recompute.KV_GRAD:
+            raise tiled_recompute.ReplayStop((key, value), kv.kv_grads(replay.lo, replay.hi, key.dtype))
+        out = kv.attend(query, replay.lo, replay.hi)  # [t, b, np, hn_v]
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _dense_mask(self, attention_mask: Optional[torch.Tensor], mask_type: AttnMaskType) -> Optional[torch.Tensor]:

@@ -41,6 +41,7 @@ from megatron_longctx.memory.recompute import (
 )
 from megatron_longctx.memory.lean_norm import install_lean_norms
 from megatron_longctx.memory.tiled_loss import install_tiled_loss
+from megatron_longctx.memory.tiled_recompute import tiled_checkpoint
 from megatron_longctx.memory.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
 
 # Offload policy ``modules``: the submodule each name scopes (norm outputs are saved by their consumer,
@@ -123,10 +124,26 @@ def _validate_against_model(cfg: MemoryConfig, chunks: list[torch.nn.Module]) ->
             f"{cfg.recompute_granularity!r}) but the model also has Megatron's own "
             f"(TransformerConfig.recompute_granularity={config.recompute_granularity!r}); set it on one of them "
             "only (the launcher clears Megatron's when the plugin runs it)")
+    if cfg.recompute_tiles > 1:
+        _check_tiled_replay(config)
     if cfg.offload_enabled and (getattr(config, "cpu_offloading", False)
                                 or getattr(config, "fine_grained_activation_offloading", False)):
         raise ValueError("--longctx-offload-policy: the model also has Megatron's activation offloading; "
                          "disable --cpu-offloading / --fine-grained-activation-offloading")
+
+
+def _check_tiled_replay(config: Any) -> None:
+    """What a layer replayed in sequence tiles cannot serve, each refused with the flag to change."""
+    fix = "or set --longctx-recompute-tiles 0"
+    if getattr(config, "hidden_dropout", 0.0) or getattr(config, "attention_dropout", 0.0):
+        raise ValueError(f"--longctx-recompute-tiles: dropout would draw other masks per tile; set --hidden-dropout 0 "
+                         f"and --attention-dropout 0, {fix}")
+    if getattr(config, "sequence_parallel", False):
+        raise ValueError(f"--longctx-recompute-tiles: with --sequence-parallel each rank's hidden states are a "
+                         f"slice of the sequence that the layer gathers itself; drop --sequence-parallel, {fix}")
+    if getattr(config, "num_moe_experts", None):
+        raise ValueError(f"--longctx-recompute-tiles: MoE layers route tokens (and balance the load) over the "
+                         f"whole sequence, not per tile; drop --num-experts, {fix}")
 
 
 def _scope_module(module: torch.nn.Module, name: str) -> Callable[[], None]:
@@ -157,6 +174,8 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
             if discard is not None:
                 stack.enter_context(hooks.packing(discard))
             try:
+                if recompute and cfg.recompute_tiles > 1:
+                    return tiled_checkpoint(original, cfg.recompute_tiles, layer.parameters, *args, **kwargs)
                 return checkpoint(original, *args, **kwargs) if recompute else original(*args, **kwargs)
             finally:
                 if discard is not None:

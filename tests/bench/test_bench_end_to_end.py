@@ -14,7 +14,8 @@ from megatron_longctx.bench import regression, report
 TINY = ["--nproc-per-node", "2", "--preset", "tiny", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--steps", "2", "--warmup", "1"]
 
-NEW = ["megatron-flash", "megatron-flash+recompute", "megatron-flash+cp", "megatron-flash+cp+recompute", "ring+all"]
+NEW = ["megatron-flash", "megatron-flash+recompute", "megatron-flash+cp", "megatron-flash+cp+recompute", "ring+all",
+       "allgather+all"]
 POINT_KEYS = {"config", "seq_length", "status", "step_times_s", "step_time_s", "cpu_s_per_step", "cpu_us_per_token",
               "time_ratio_vs_megatron-flash+recompute", "parity_reference", "tokens_per_s", "model_tflops",
               "peak_mem_bytes_per_rank", "peak_mem_bytes", "losses", "grad_norms", "time_ratio_vs_baseline",
@@ -41,7 +42,7 @@ def test_schema_and_outputs(bench_run):
     assert {"device", "world_size", "shape", "steps", "warmup", "megatron_core", "torch"} <= set(result["meta"])
     assert [c["name"] for c in result["configs"]] == ["megatron-unfused"] + NEW
     assert all(c["status"] == "ok" for c in result["configs"])
-    assert [c["role"] for c in result["configs"]] == ["baseline"] * 5 + ["plugin"]
+    assert [c["role"] for c in result["configs"]] == ["baseline"] * 5 + ["plugin"] * 2
     assert {(p["config"], p["seq_length"]) for p in result["sweep"]} == {
         (c, s) for c in ["megatron-unfused"] + NEW for s in (64, 128)}
     for p in result["sweep"]:
@@ -53,7 +54,7 @@ def test_schema_and_outputs(bench_run):
         for name in ("memory_vs_seq.png", "tokens_per_s_vs_seq.png"):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "bench.md").read_text()
-    assert "| ring+all | 128 |" in table and "Max trainable sequence" in table
+    assert "| ring+all | 128 |" in table and "| allgather+all | 128 |" in table and "Max trainable sequence" in table
     assert "| megatron-flash+cp+recompute | 128 |" in table
 
 

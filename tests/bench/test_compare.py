@@ -150,3 +150,19 @@ def test_bench_numeric_flags_are_checked(argv, flag, capsys):
         regression.main(argv)
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens, layer_tiles, mlp_tiles, loss_tiles", [
+    (1024, 0, 4, 8),  # below 4 layer tiles' worth: plain full recompute, MLP tiles for the whole rank
+    (2048, 4, 2, 16),  # 4 replayed tiles of 512; the MLP tiles each replayed tile
+    (14336, 28, 2, 112),
+])
+def test_tile_counts_follow_the_sequence(tokens, layer_tiles, mlp_tiles, loss_tiles):
+    from megatron_longctx.bench.configs import tiles_for
+
+    variant = by_name_of(default_configs(2))["allgather+all"].variant
+    options = dict(tiles_for(variant, tokens).longctx_options)
+    assert (options["recompute_tiles"], options["tiled_mlp_tiles"], options["tiled_loss_tiles"]) == (
+        layer_tiles, mlp_tiles, loss_tiles)
+    ring = dict(tiles_for(by_name_of(default_configs(2))["ring+all"].variant, tokens).longctx_options)
+    assert "recompute_tiles" not in ring and ring["tiled_mlp_tiles"] == max(4, tokens // 256)

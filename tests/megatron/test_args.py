@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from megatron_longctx import add_longctx_args, config_from_args
+from megatron_longctx.megatron.args import check_after_parsing
 from megatron_longctx.config import (
     CP_ALGORITHMS,
     FEATURES,
@@ -150,6 +151,10 @@ def _ns(**kw):
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2,
           longctx_offload_policy="checkpoint"),
      dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)),
+    # So does the replay in sequence tiles, which Megatron's recompute has no counterpart of.
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+          longctx_recompute_tiles=8),
+     dict(recompute_granularity="full", recompute_method="uniform", recompute_tiles=8)),
 ])
 def test_megatron_recompute_flags_fill_the_memory_config(megatron, expected):
     memory = config_from_args(_ns(**megatron)).memory
@@ -161,3 +166,26 @@ def test_recompute_modules_the_plugin_cannot_run_are_named():
     args = _ns(recompute_granularity="selective", recompute_modules=["layernorm", "moe_act"], transformer_impl="local")
     with pytest.raises(ValueError, match="--recompute-modules: .*moe_act"):
         config_from_args(args)
+
+
+TILED_FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                  longctx_recompute_tiles=4, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(context_parallel_size=2, cp_comm_type="p2p"), "--longctx-recompute-tiles: .*'p2p'.*--cp-comm-type all_gather"),
+    (dict(context_parallel_size=2, cp_comm_type="all_gather", longctx_cp_algorithm="ring"),
+     "--longctx-recompute-tiles: .*'ring'"),
+    (dict(context_parallel_size=1, hidden_dropout=0.1), "--longctx-recompute-tiles: --hidden-dropout 0.1"),
+    (dict(longctx_recompute_tiles=4, recompute_granularity=None), "--longctx-recompute-tiles: .*--recompute-granularity full"),
+])
+def test_recompute_tiles_refused_combinations_name_the_flag(given, message):
+    with pytest.raises(ValueError, match=message):
+        check_after_parsing(_ns(**{**TILED_FULL, **given}))
+
+
+@pytest.mark.parametrize("given", [dict(context_parallel_size=2, cp_comm_type="all_gather"),
+                                   dict(context_parallel_size=2, cp_comm_type="p2p", longctx_cp_algorithm="allgather"),
+                                   dict(context_parallel_size=1, cp_comm_type="p2p")])
+def test_recompute_tiles_accepted_with_all_gather_or_one_cp_rank(given):
+    assert check_after_parsing(_ns(**{**TILED_FULL, **given})).memory.recompute_tiles == 4

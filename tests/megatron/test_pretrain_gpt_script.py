@@ -85,6 +85,17 @@ def test_megatron_recompute_flags(script, cp1_losses, recompute, plugin_runs):
     assert_same_losses(run.lm_losses(), cp1_losses("learned"))
 
 
+def test_recompute_in_sequence_tiles(script, cp1_losses):
+    """Megatron's full recompute, replayed by the plugin in 4 sequence tiles per layer, over all-gather CP."""
+    tiled = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+             "--longctx-recompute-tiles", "4")
+    run = run_script(script, [*TINY_GPT, *ITERS, "--context-parallel-size", "2", "--cp-comm-type", "all_gather",
+                              *tiled]).check()
+    print(f"recompute in tiles: {run.wall_s:.1f} s")
+    assert "runs in the plugin's recompute on 2 layers" in run.output
+    assert_same_losses(run.lm_losses(), cp1_losses("learned"))
+
+
 def _unusable_backend():
     import torch
 
@@ -99,6 +110,9 @@ def _unusable_backend():
     (("--longctx-cp-kernel-backend", "UNUSABLE"), "--longctx-cp-kernel-backend"),
     (("--attention-dropout", "0.1"), "--attention-dropout"),
     (("--longctx-tiled-mlp-tiles", "-1"), "--longctx-tiled-mlp-tiles"),
+    # the default --cp-comm-type p2p: the replay in tiles needs all_gather
+    (("--longctx-recompute-tiles", "4", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"), "--longctx-recompute-tiles"),
 ])
 def test_bad_flags_fail_before_distributed_init(script, bad, flag):
     if "UNUSABLE" in bad:

@@ -1,0 +1,135 @@
+"""Attention for a layer that runs one sequence tile at a time.
+
+A layer replayed in tiles (:mod:`megatron_longctx.memory.tiled_recompute`) runs its token-wise parts
+(norms, projections, MLP) on one tile of this rank's tokens at a time, but each query tile still
+sees every key before it.  :class:`TiledKV` holds those keys for one layer:
+
+1. :meth:`TiledKV.store` collects this rank's K/V tile by tile;
+2. :meth:`TiledKV.gather` gathers them over the CP group once, in natural order (the all-gather of
+   Llama 3, Dubey et al. 2024, §3.3.2; with one rank: the local K/V);
+3. :meth:`TiledKV.attend` is the attention of one query tile (an autograd function whose backward
+   adds the tile's dK/dV into accumulators over the gathered sequence);
+4. :meth:`TiledKV.reduce_grads` reduce-scatters dK/dV back to their owners, and
+   :meth:`TiledKV.kv_grads` hands each local tile its share.
+
+A rank then holds the gathered K/V (and in backward their float32 gradients) plus one tile's
+activations, not a whole layer's.  Tensors come in Megatron's ``[s, b, h, d]``; ``[b, s, h, d]`` inside.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .allgather import gather_kv
+from .args import AttentionArgs
+from .comm import reduce_scatter, unpack
+from .layout import SeqLayout, pooled_index, to_ranks
+from .schedule import allgather_calls
+from .segments import attend_first, attend_segments_backward, restrict_rows, split_keys
+
+# Keys per kernel call of a query tile: its backward's dK/dV temporaries hold at most this many keys.
+KEY_BLOCK = 2048
+
+
+class TiledKV:
+    """The whole sequence's K/V (and dK/dV) of one layer, for attention one query tile at a time.
+
+    ``group``: the CP group (``None`` or one rank: no communication); ``local_len``: this rank's
+    tokens (its shard of Megatron's load-balanced layout).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], local_len: int, args: AttentionArgs) -> None:
+        self.cp = 1 if group is None else dist.get_world_size(group)
+        self.group = group if self.cp > 1 else None
+        self.rank = dist.get_rank(group) if self.group is not None else 0
+        self.layout = SeqLayout.dense(local_len * self.cp, self.cp)
+        self.args = args
+        self.calls = allgather_calls(self.layout, self.rank, args.mask)
+        self._k = self._v = None  # local K/V [b, t, h_kv, d], filled tile by tile
+        self.k_all = self.v_all = None  # gathered K/V [b, P*t, h_kv, d]
+        self.dk_all = self.dv_all = None  # their gradients (accumulator dtype)
+        self._dk = self._dv = None  # this rank's dK/dV after the reduce-scatter [b, t, h_kv, d]
+
+    def store(self, lo: int, hi: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep tile ``[lo, hi)`` of this rank's k ``[t, b, h_kv, d_qk]`` and v ``[t, b, h_kv, d_v]``."""
+        if self._k is None:
+            t = self.layout.local_len
+            self._k = k.new_empty(k.shape[1], t, *k.shape[2:])
+            self._v = v.new_empty(v.shape[1], t, *v.shape[2:])
+        self._k[:, lo:hi] = k.transpose(0, 1)
+        self._v[:, lo:hi] = v.transpose(0, 1)
+
+    def gather(self, with_grads: bool) -> None:
+        """The gathered K/V from the stored tiles (and zeroed dK/dV accumulators when ``with_grads``)."""
+        if self._k is None:
+            raise RuntimeError("TiledKV.gather before any tile was stored")
+        if self.group is None:
+            self.k_all, self.v_all = self._k, self._v
+        else:
+            index = pooled_index(self.layout, self.cp, self._k.device)
+            self.k_all, self.v_all = gather_kv(self._k, self._v, self.group, index)
+        self._k = self._v = None
+        if with_grads:
+            acc = torch.promote_types(self.k_all.dtype, torch.float32)
+            self.dk_all = torch.zeros(self.k_all.shape, dtype=acc, device=self.k_all.device)
+            self.dv_all = torch.zeros(self.v_all.shape, dtype=acc, device=self.v_all.device)
+
+    def attend(self, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Attention of query tile ``[lo, hi)``, q ``[t', b, h_q, d_qk]`` -> ``[t', b, h_q, d_v]``."""
+        return _TileAttention.apply(q, self, lo, hi)
+
+    def reduce_grads(self) -> None:
+        """Sum every rank's dK/dV contributions into the owner's share; drop the gathered tensors.
+
+        The gathered K/V go first; each gradient is moved into the send buffer and dropped before the next."""
+        self.k_all = self.v_all = None
+        dk_all, dv_all = self.dk_all, self.dv_all
+        self.dk_all = self.dv_all = None
+        if self.group is None:
+            self._dk, self._dv = dk_all, dv_all
+            return
+        index = pooled_index(self.layout, self.cp, dk_all.device)
+        shape_k = (dk_all.shape[0], self.layout.local_len, *dk_all.shape[2:])
+        shape_v = (dv_all.shape[0], self.layout.local_len, *dv_all.shape[2:])
+        n_k = dk_all[:, : self.layout.local_len].numel()
+        per_rank = dk_all.new_empty(self.cp, n_k + dv_all[:, : self.layout.local_len].numel())  # [P, n_k + n_v]
+        per_rank[:, :n_k] = to_ranks(dk_all, self.cp, index).flatten(1)
+        del dk_all
+        per_rank[:, n_k:] = to_ranks(dv_all, self.cp, index).flatten(1)
+        del dv_all
+        self._dk, self._dv = unpack(reduce_scatter(per_rank, self.group), (shape_k, shape_v))
+
+    def kv_grads(self, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """dK/dV of local tile ``[lo, hi)`` as ``[t', b, h_kv, d]`` in ``dtype``."""
+        return (self._dk[:, lo:hi].transpose(0, 1).to(dtype), self._dv[:, lo:hi].transpose(0, 1).to(dtype))
+
+    def release(self) -> None:
+        self._k = self._v = self.k_all = self.v_all = self.dk_all = self.dv_all = self._dk = self._dv = None
+
+
+class _TileAttention(torch.autograd.Function):
+    """One query tile against the gathered K/V; backward adds into the gathered dK/dV."""
+
+    @staticmethod
+    def forward(ctx, q, kv: TiledKV, lo: int, hi: int):
+        calls = split_keys(restrict_rows(kv.calls, lo, hi), KEY_BLOCK)
+        qb = q.transpose(0, 1).contiguous()  # [b, t', h_q, d_qk] (a view when b = 1)
+        out, lse = attend_first(qb, kv.k_all, kv.v_all, calls, kv.args.softmax_scale, kv.args.backend)
+        out = out.to(q.dtype)  # [b, t', h_q, d_v]
+        ctx.save_for_backward(qb, out, lse)
+        ctx.kv, ctx.calls = kv, calls
+        return out.transpose(0, 1)  # [t', b, h_q, d_v]
+
+    @staticmethod
+    def backward(ctx, dout):
+        qb, out, lse = ctx.saved_tensors
+        kv = ctx.kv
+        if kv.dk_all is None:
+            raise RuntimeError("a tiled attention backward ran without dK/dV accumulators (TiledKV.gather(True))")
+        dq = torch.zeros(qb.shape, dtype=lse.dtype, device=qb.device)  # [b, t', h_q, d_qk]
+        attend_segments_backward(dout.transpose(0, 1).contiguous(), qb, kv.k_all, kv.v_all, out, lse, ctx.calls,
+                                 kv.args.softmax_scale, kv.args.backend, dq, kv.dk_all, kv.dv_all)
+        return dq.to(qb.dtype).transpose(0, 1), None, None, None

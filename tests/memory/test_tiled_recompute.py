@@ -1,0 +1,218 @@
+"""Full recompute replayed in sequence tiles (``--longctx-recompute-tiles``) gives the plain model's loss and
+gradients, with CP=2 (K/V gathered over the CP group) and with TP=2; what it cannot serve is refused by name.
+
+Oracles: float64 attention over the whole sequence (``tests.oracle``) for the tile attention alone, and the
+same GPTModel without memory features, float64, same seeds, for the replayed layers.
+"""
+
+import weakref
+
+import pytest
+import torch
+
+from megatron_longctx.attention.args import attention_args
+from megatron_longctx.attention import tiled
+from megatron_longctx.attention.tiled import TiledKV
+from megatron_longctx.memory import MemoryConfig
+from megatron_longctx.memory import tiled_recompute
+from megatron_longctx.memory.tiled_recompute import tile_bounds
+from tests.dist import megatron_parallel, run_ranks
+from tests.gpt_kit import ORACLE, ORACLE_SEQ, assert_same, batch, build_gpt, cpu, loss_and_grads
+from tests.oracle import sequence_attention
+
+
+@pytest.mark.parametrize("seq,tiles", [(12, 1), (12, 5), (7, 7), (10, 64)])
+def test_tile_bounds_cover_the_sequence_in_order(seq, tiles):
+    bounds = tile_bounds(seq, tiles)
+    assert bounds[0][0] == 0 and bounds[-1][1] == seq
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [hi - lo for lo, hi in bounds]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1 and len(bounds) == min(tiles, seq)
+
+
+@pytest.mark.parametrize("key_block", [2048, 4], ids=["one-key-block", "key-blocks-of-4"])
+@pytest.mark.parametrize("window", [None, (5, 0)], ids=["causal", "window5"])
+def test_tile_attention_matches_whole_sequence_float64(window, key_block, monkeypatch):
+    """One rank: q tiles over the stored K/V give the float64 attention and its q/k/v gradients."""
+    monkeypatch.setattr(tiled, "KEY_BLOCK", key_block)
+    torch.manual_seed(0)
+    s, b, hq, hkv, d = 21, 2, 4, 2, 8
+    q, k, v = (torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv))
+    dout = torch.randn(s, b, hq, d, dtype=torch.float64)
+    ref = sequence_attention(q, k, v, True, window, d ** -0.5)  # [s, b, hq, d]
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+
+    kv = TiledKV(None, s, attention_args(q, True, None, window, None))
+    tiles = tile_bounds(s, 4)
+    for lo, hi in tiles:
+        kv.store(lo, hi, k[lo:hi].detach(), v[lo:hi].detach())
+    kv.gather(with_grads=True)
+    outs, dq = [], torch.zeros_like(q)
+    for lo, hi in tiles:
+        q_t = q[lo:hi].detach().requires_grad_(True)
+        out_t = kv.attend(q_t, lo, hi)
+        (g,) = torch.autograd.grad(out_t, q_t, dout[lo:hi])
+        outs.append(out_t.detach())
+        dq[lo:hi] = g
+    kv.reduce_grads()
+    dk, dv = kv.kv_grads(0, s, torch.float64)
+    torch.testing.assert_close(torch.cat(outs), ref.detach(), rtol=1e-10, atol=1e-12)
+    for got, want in zip((dq, dk, dv), ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class _ToyLayer(torch.nn.Module):
+    """Norm-free pre-attention projection, causal attention, output projection and residual; its attention
+    takes part in a tiled replay as ContextParallelAttention does."""
+
+    def __init__(self, h=16, heads=4):
+        super().__init__()
+        self.heads, self.d = heads, h // heads
+        self.qkv = torch.nn.Linear(h, 3 * h, dtype=torch.float64)
+        self.out = torch.nn.Linear(h, h, dtype=torch.float64)
+
+    def forward(self, hidden_states, scale=1.0):
+        t, b, _ = hidden_states.shape
+        q, k, v = (x.reshape(t, b, self.heads, self.d) for x in self.qkv(hidden_states).chunk(3, dim=-1))
+        replay = tiled_recompute.current()
+        if replay is None:
+            o = sequence_attention(q, k, v, True, None, self.d ** -0.5)
+        else:
+            kv = replay.state_for(self, lambda: TiledKV(None, replay.seq_len, attention_args(q, True, None, None, None)))
+            if replay.mode == tiled_recompute.COLLECT:
+                kv.store(replay.lo, replay.hi, k, v)
+                raise tiled_recompute.ReplayStop()
+            if replay.mode == tiled_recompute.KV_GRAD:
+                raise tiled_recompute.ReplayStop((k, v), kv.kv_grads(replay.lo, replay.hi, k.dtype))
+            o = kv.attend(q, replay.lo, replay.hi)
+        return self.out(o.reshape(t, b, -1)) * scale + hidden_states, None
+
+
+def test_tiled_checkpoint_of_a_toy_layer_matches_float64_and_keeps_no_input():
+    torch.manual_seed(1)
+    layer = _ToyLayer()
+    x0 = torch.randn(19, 2, 16, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(19, 2, 16, dtype=torch.float64)
+
+    def grads(tiles):
+        layer.zero_grad()
+        h = x0 * 1.5  # the layer input, a non-leaf the caller lets go of
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):  # a copying packer
+            y, none = (tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, scale=0.5) if tiles
+                       else layer(h, scale=0.5))
+        alive = weakref.ref(h)
+        del h
+        kept = alive() is not None
+        (dx,) = torch.autograd.grad(y, x0, dy, retain_graph=True)
+        y.backward(dy)
+        return y.detach(), dx, [p.grad.clone() for p in layer.parameters()], none, kept
+
+    ref_y, ref_dx, ref_dp, _, _ = grads(0)
+    y, dx, dp, none, kept = grads(5)
+    assert none is None and not kept  # only the packer's copy of the input outlives the forward
+    torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-10, atol=1e-12)
+    for got, want in zip(dp, ref_dp):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _plugin_spec(**options):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_longctx import apply_to_spec
+
+    return apply_to_spec(get_gpt_layer_local_spec(), **options)
+
+
+NO_DROPOUT = dict(ORACLE, dropout=0.0)
+TILED = [
+    MemoryConfig(recompute_granularity="full", recompute_tiles=3),
+    MemoryConfig(recompute_granularity="full", recompute_tiles=16, recompute_method="block", recompute_num_layers=1),
+    MemoryConfig(recompute_granularity="full", recompute_tiles=5, offload_policy="checkpoint", offload_target="disk",
+                 offload_min_bytes=0, tiled_mlp_tiles=2, tiled_loss_tiles=3),
+]
+
+
+def _cp2_tiled_matches_plain():
+    from megatron.core import parallel_state
+
+    from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
+    from megatron_longctx.memory import install
+
+    block = tiled.KEY_BLOCK
+    tiled.KEY_BLOCK = 5  # several key blocks per query tile (restored: the ranks serve other tests after)
+    try:
+        _cp2_cases(parallel_state, get_batch_on_this_cp_rank, install)
+    finally:
+        tiled.KEY_BLOCK = block
+
+
+def _cp2_cases(parallel_state, get_batch_on_this_cp_rank, install):
+    with cpu(), megatron_parallel(cp=2):
+        cp_group = parallel_state.get_context_parallel_group()
+        batches = []
+        for seed in range(2):
+            b = batch(seed=seed, seq=ORACLE_SEQ)
+            batches.append(get_batch_on_this_cp_rank({"tokens": b["tokens"], "position_ids": b["position_ids"]},
+                                                     cp_group))
+        spec = _plugin_spec(cp_algorithm="allgather")
+        ref = loss_and_grads(build_gpt(**NO_DROPOUT, spec=spec, context_parallel_size=2), batches=batches)
+        for cfg in TILED:
+            options = {"cp_algorithm": "allgather", "tiled_mlp_tiles": cfg.tiled_mlp_tiles}
+            model = build_gpt(**NO_DROPOUT, spec=_plugin_spec(**options), context_parallel_size=2)
+            handle = install(model, cfg)
+            got = loss_and_grads(model, batches=batches)
+            # The tiled loss runs in the model's float64, Megatron's cross-entropy in float32.
+            tol = dict(rtol=1e-5, atol=1e-7) if cfg.tiled_loss_tiles > 1 else dict(rtol=1e-9, atol=1e-11)
+            assert_same(ref, got, **tol)
+            if cfg.offload_enabled:
+                assert handle.offloader.stats.offloaded_bytes > 0
+            handle.remove()
+
+
+def test_tiled_recompute_matches_plain_model_cp2():
+    run_ranks(2, _cp2_tiled_matches_plain)
+
+
+def _tp2_tiled_matches_plain():
+    from megatron_longctx.memory import install
+
+    with cpu(), megatron_parallel(tp=2):
+        spec = _plugin_spec()
+        ref = loss_and_grads(build_gpt(**NO_DROPOUT, spec=spec, add_bias_linear=True), steps=2)
+        model = build_gpt(**NO_DROPOUT, spec=spec, add_bias_linear=True)
+        handle = install(model, MemoryConfig(recompute_granularity="full", recompute_tiles=4))
+        assert_same(ref, loss_and_grads(model, steps=2))
+        handle.remove()
+        assert "forward" not in model.decoder.layers[0].__dict__
+
+
+def test_tiled_recompute_matches_plain_model_tp2_with_biases():
+    run_ranks(2, _tp2_tiled_matches_plain)
+
+
+def _refusals():
+    from megatron_longctx.memory import install
+
+    cfg = MemoryConfig(recompute_granularity="full", recompute_tiles=2)
+    with cpu(), megatron_parallel(cp=2):
+        with pytest.raises(ValueError, match="--hidden-dropout 0"):
+            install(build_gpt(**ORACLE, spec=_plugin_spec(cp_algorithm="allgather"), context_parallel_size=2), cfg)
+        model = build_gpt(**NO_DROPOUT, spec=_plugin_spec(cp_algorithm="ring"), context_parallel_size=2)
+        install(model, cfg)
+        with pytest.raises(ValueError, match="--longctx-cp-algorithm allgather"):
+            loss_and_grads(model, batches=[batch(seed=0, seq=ORACLE_SEQ // 2)])
+    with cpu(), megatron_parallel():
+        model = build_gpt(**NO_DROPOUT)  # Megatron's own DotProductAttention
+        install(model, cfg)
+        with pytest.raises(ValueError, match="without reaching the plugin's core attention"):
+            loss_and_grads(model)
+
+
+def test_tiled_recompute_refuses_what_it_cannot_replay():
+    run_ranks(2, _refusals)
+
+
+def test_recompute_tiles_needs_full_recompute():
+    with pytest.raises(ValueError, match="--longctx-recompute-tiles: .*--recompute-granularity full"):
+        MemoryConfig(recompute_tiles=2)
