@@ -180,6 +180,47 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron's wrappers (``ChainedOptimizer``, ``FP32Optimizer`` ...)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for inner in optimizer.chained_optimizers for o in _torch_optimizers(inner)]
+    inner = getattr(optimizer, "optimizer", None)
+    return _torch_optimizers(inner) if inner is not None else []
+
+
+def materialize_optimizer_state(optimizer: Any) -> None:
+    """Create the optimizer's state now rather than in the first step, as it is in every later step.
+
+    torch creates Adam's moments inside the first ``step()``, after that step's forward and backward:
+    a one-step measurement would peak without them.  One step with zero gradients, learning rate 0
+    and weight decay 0 creates them (zero moments, parameters untouched); its step count is then set
+    back to 0, so training proceeds exactly as with lazy creation.
+    """
+    for opt in _torch_optimizers(optimizer):
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in opt.param_groups]
+        params = [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)]
+        if not params:
+            continue
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+            if "weight_decay" in g:
+                g["weight_decay"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p in params:
+            p.grad = None
+            if "step" in opt.state[p]:
+                step = opt.state[p]["step"]
+                opt.state[p]["step"] = step.zero_() if isinstance(step, torch.Tensor) else 0
+        for g, (lr, wd) in zip(opt.param_groups, saved):
+            g["lr"] = lr
+            if "weight_decay" in g:
+                g["weight_decay"] = wd
+
+
 class Trainer:
     """Model, DDP, optimizer and step of one :class:`Variant`; use inside ``cpu_compat.enabled()``.
 
@@ -212,6 +253,7 @@ class Trainer:
         self.memory_handle = self._install_memory()
         self.ddp = self._wrap_ddp()
         self.optimizer = self._build_optimizer()
+        materialize_optimizer_state(self.optimizer)
 
     # ------------------------------------------------------------------ construction
     def _transformer_config(self) -> Any:

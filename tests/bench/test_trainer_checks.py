@@ -1,6 +1,7 @@
 """The benchmark's in-process Trainer (megatron/training.py) refuses bad shapes and layouts naming the flag."""
 
 import pytest
+import torch
 
 from megatron_longctx.megatron.training import GPTShape
 from tests.dist import run_ranks
@@ -37,3 +38,38 @@ def test_bad_layout_names_the_flag():
     assert len(messages) == 2
     assert "--seq-length 130" in messages[0] and "--context-parallel-size" in messages[0]
     assert "--global-batch-size 3" in messages[1]
+
+
+def _steps(materialize: bool):
+    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import training
+    from megatron_longctx.megatron.training import OptimConfig, Trainer, Variant
+
+    shape = GPTShape(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                     seq_length=32)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"tokens": torch.randint(0, 256, (2, 32), generator=g), "labels": torch.randint(0, 256, (2, 32), generator=g),
+                "loss_mask": torch.ones(2, 32), "position_ids": torch.arange(32).expand(2, 32)} for _ in range(3)]
+    original = training.materialize_optimizer_state
+    if not materialize:
+        training.materialize_optimizer_state = lambda optimizer: None
+    try:
+        with cpu_compat.enabled():
+            trainer = Trainer(shape, Variant("p", context_parallel_size=2, plugin=True), OptimConfig(), 1, 1)
+            opts = training._torch_optimizers(trainer.optimizer)
+            before = sum(len(o.state) for o in opts)
+            results = [trainer.step(i, b) for i, b in enumerate(batches)]
+            params = [p.detach().clone() for p in trainer.model.parameters()]
+            trainer.close()
+    finally:
+        training.materialize_optimizer_state = original
+    return before, [(r.loss, r.grad_norm) for r in results], params
+
+
+def test_optimizer_state_exists_before_the_first_step_and_changes_nothing():
+    """A one-step probe must see Adam's moments (torch makes them inside the first step)."""
+    eager, lazy = run_ranks(2, _steps, True)[0], run_ranks(2, _steps, False)[0]
+    assert eager[0] > 0 and lazy[0] == 0
+    assert eager[1] == lazy[1]  # losses and grad norms, bit for bit
+    for a, b in zip(eager[2], lazy[2]):
+        assert torch.equal(a, b)
