@@ -23,9 +23,11 @@ MASKS = [BlockMask(True), BlockMask(False), BlockMask(True, (2, 0)), BlockMask(T
          BlockMask(False, (1, 2)), BlockMask(True, (0, 0)), BlockMask(False, (5, 3))]
 
 
+SPANS = [[(0, 10)], [(2, 5), (0, 3), (7, 9)], [(4, 6), (4, 6), (1, 8)], [], [(0, 10), (3, 4)]]
+
+
 @pytest.mark.parametrize("flat", [False, True])
-@pytest.mark.parametrize("spans", [[(0, 10)], [(2, 5), (0, 3), (7, 9)], [(4, 6), (4, 6), (1, 8)], [], [(0, 10), (3, 4)]],
-                         ids=str)
+@pytest.mark.parametrize("spans", SPANS, ids=str)
 def test_grad_sum_matches_a_zero_filled_sum(spans, flat):
     gen = torch.Generator().manual_seed(0)
     shapes = [torch.Size([2, 10, 3, 4]), torch.Size([2, 10, 3, 5])]
