@@ -67,17 +67,29 @@ def local_offsets(segs: Segments) -> list[int]:
 
 
 def visible_pairs(mask: BlockMask, q_start: int, q_len: int, k_start: int, k_len: int) -> int:
-    """Number of visible (query, key) pairs of one block (exact; used for FLOP accounting)."""
+    """Number of visible (query, key) pairs of one block (exact; used for FLOP accounting).
+
+    Integer arithmetic only (no tensors): the pairs with ``q - k <= t`` are
+    ``sum_q clamp(k_start + k_len + t - q, 0, k_len)``, an arithmetic series cut at 0 and ``k_len``;
+    the visible ones are those with ``-right <= q - k <= left``.
+    """
     if q_len <= 0 or k_len <= 0:
         return 0
-    pos = torch.arange(q_start, q_start + q_len, dtype=torch.int64)  # [q_len]
-    lo = torch.full_like(pos, k_start)
-    hi = torch.full_like(pos, k_start + k_len - 1)
-    if mask.left >= 0:
-        lo = torch.maximum(lo, pos - mask.left)
-    if mask.right >= 0:
-        hi = torch.minimum(hi, pos + mask.right)
-    return int((hi - lo + 1).clamp_min(0).sum())
+
+    def series(x: int) -> int:  # sum of min(y, k_len) over y = 1..x (0 for x <= 0)
+        if x <= 0:
+            return 0
+        if x <= k_len:
+            return x * (x + 1) // 2
+        return k_len * (k_len + 1) // 2 + (x - k_len) * k_len
+
+    def at_most(t: int) -> int:  # pairs with q - k <= t
+        top = k_start + k_len + t - q_start  # the clamp's argument at the first query
+        return series(top) - series(top - q_len)
+
+    upper = at_most(mask.left) if mask.left >= 0 else q_len * k_len
+    lower = at_most(-mask.right - 1) if mask.right >= 0 else 0
+    return upper - lower
 
 
 def _anchored_positions(segs: Segments, offsets: list[int], first: int, last: int) -> list[int]:

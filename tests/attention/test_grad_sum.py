@@ -1,4 +1,4 @@
-"""The backward's building blocks: gradient sums without zero fills, and the local block cut in two.
+"""The backward's building blocks: gradient sums without zero fills, the local block cut in two, pair counts.
 
 :class:`GradSum` against plain zero-initialised sums; :func:`split_for_overlap` against the true mask
 (every visible pair in exactly one part) and, run through the block kernels, against float64 autograd
@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 from megatron_longctx.attention.layout import dense_layout
 from megatron_longctx.attention.schedule import ring_schedule
-from megatron_longctx.attention.segments import GradSum, attend_segments_backward, split_for_overlap
+from megatron_longctx.attention.segments import GradSum, attend_segments_backward, split_for_overlap, visible_pairs
 from megatron_longctx.kernels.base import BlockMask
 from tests.oracle import attention, visible
 
@@ -104,3 +104,12 @@ def test_split_local_block_gradients_match_float64(mask, backend):
         attend_segments_backward(dout, q, k, v, out, lse, part, scale, backend, dq, dkv)
     for got, ref in zip(dq.result() + dkv.result(), want):
         assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_visible_pairs_counts_the_dense_mask():
+    """The closed form against the mask itself: blocks before, across and after the diagonal, any window."""
+    masks = MASKS + [BlockMask(False, (-1, 0)), BlockMask(False, (0, -1)), BlockMask(False, (2, 7)), BlockMask(False)]
+    for mask, q_start, q_len, k_start, k_len in itertools.product(masks, [0, 3, 9], [0, 1, 4, 7], [0, 2, 6, 11],
+                                                                  [0, 1, 5, 8]):
+        want = int(mask.dense(q_start, q_len, k_start, k_len).sum()) if q_len and k_len else 0
+        assert visible_pairs(mask, q_start, q_len, k_start, k_len) == want, (mask, q_start, q_len, k_start, k_len)
