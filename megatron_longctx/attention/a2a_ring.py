@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .args import AttentionArgs, kv_replication
-from .comm import all_to_all
+from .comm import all_to_all, all_to_all_rows
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .ring import RingAttention
 from .schedule import ring_schedule
@@ -58,8 +58,9 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, index, halves: bool 
 
     ``index``: :func:`.layout.pooled_index` of the layout for ``U`` = size of ``group`` (unused, and
     may be None, with ``halves``).  ``halves`` (:func:`in_halves`): each chunk travels in its own
-    all-to-all straight into the result, which then needs no reordered copy (only the second half is
-    flipped).
+    all-to-all straight into the result, which then needs no reordered copy: the first chunks with
+    one all-to-all in rank order, the second chunks row by row into their slots in reverse rank
+    order (:func:`.comm.all_to_all_rows`).
     """
     u = dist.get_world_size(group)
     b, t, h, d = x.shape
@@ -68,10 +69,13 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, index, halves: bool 
         out = x.new_empty(b, u * t, h // u, d)  # [1, U*t, h/U, d]: 2U chunks of c tokens
         for i in range(2):
             send = x[:, i * c:(i + 1) * c].reshape(b, c, u, h // u, d).permute(2, 0, 1, 3, 4).contiguous()
-            all_to_all(send.view(u, -1), group, out=out[:, i * u * c:(i + 1) * u * c].view(u, -1))
+            slots = out[:, i * u * c:(i + 1) * u * c].view(u, -1)  # [U, c*h/U*d]
+            if i == 0:
+                all_to_all(send.view(u, -1), group, out=slots)  # member m's first chunk -> slot m
+            else:
+                # member m's second chunk -> slot U-1-m
+                all_to_all_rows(send.view(u, -1).unbind(0), slots.unbind(0)[::-1], group)
             del send  # [U (head group), b, c, h/U, d]
-        second = out[:, u * c:].view(u, b, c, h // u, d)  # [U (source rank), 1, c, h/U, d]
-        second.copy_(second.flip(0))  # the members' second chunks go last member first
         return out
     send = x.view(b, t, u, h // u, d).permute(2, 0, 1, 3, 4).contiguous()  # [U (head group), b, t, h/U, d]
     recv = all_to_all(send.view(u, -1), group).view(u, b, t, h // u, d)  # [U (source rank), b, t, h/U, d]
@@ -87,12 +91,14 @@ def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, index, halves: bool 
         c = ut // u // 2
         out = y.new_empty(b, 2 * c, u, hh, d)  # [1, t, U (head group), h/U, d]
         for i in range(2):
-            chunks = y[:, i * u * c:(i + 1) * u * c].view(u, b, c, hh, d)  # [U (member), 1, c, h/U, d]
-            send = chunks.flip(0) if i else chunks  # the members' second chunks are stored last member first
-            recv = all_to_all(send.view(u, -1), group).view(u, b, c, hh, d)  # [U (head group), 1, c, h/U, d]
-            del send
-            out[:, i * c:(i + 1) * c] = recv.permute(1, 2, 0, 3, 4)
-            del recv
+            chunks = y[:, i * u * c:(i + 1) * u * c].view(u, -1)  # [U (slot), c*h/U*d]
+            if i == 0:
+                recv = all_to_all(chunks, group)  # slot m holds member m's first chunk
+            else:
+                recv = torch.empty_like(chunks)
+                all_to_all_rows(chunks.unbind(0)[::-1], recv.unbind(0), group)  # slot U-1-m: member m's 2nd chunk
+            out[:, i * c:(i + 1) * c] = recv.view(u, b, c, hh, d).permute(1, 2, 0, 3, 4)  # [1, c, U, h/U, d]
+            del recv  # [U (head group), b*c*h/U*d]
         return out.view(b, 2 * c, u * hh, d)  # [b, t, h, d]
     send = to_ranks(y, u, index)  # [U (destination rank), b, t, h/U, d]
     _, b, t, hh, d = send.shape

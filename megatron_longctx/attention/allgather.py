@@ -18,7 +18,7 @@ from .args import AttentionArgs
 from .comm import all_gather, pack, reduce_scatter, unpack
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .schedule import allgather_calls
-from .segments import attend_segments, attend_segments_backward, new_accumulators
+from .segments import GradSum, attend_segments, attend_segments_backward, new_accumulators
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index):
@@ -60,13 +60,11 @@ def allgather_backward(
     index = pooled_index(layout, p, q.device)
     k_all, v_all = gather_kv(k, v, group, index)
     calls = allgather_calls(layout, dist.get_rank(group), args.mask)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, t, h_q, d_qk]
-    dk_all = torch.zeros(k_all.shape, dtype=acc, device=q.device)  # [b, P*t, h_kv, d_qk]
-    dv_all = torch.zeros(v_all.shape, dtype=acc, device=q.device)  # [b, P*t, h_kv, d_v]
-    attend_segments_backward(
-        dout, q, k_all, v_all, out, lse, calls, args.softmax_scale, args.backend, dq, dk_all, dv_all
-    )
+    dq = GradSum([q.shape], acc, q.device)  # [b, t, h_q, d_qk]
+    dkv_all = GradSum([k_all.shape, v_all.shape], acc, q.device)  # [b, P*t, h_kv, d_qk], [b, P*t, h_kv, d_v]
+    attend_segments_backward(dout, q, k_all, v_all, out, lse, calls, args.softmax_scale, args.backend, dq, dkv_all)
     del k_all, v_all
+    (dq,), (dk_all, dv_all) = dq.result(), dkv_all.result()
     per_rank = torch.cat(
         [to_ranks(dk_all, p, index).flatten(1), to_ranks(dv_all, p, index).flatten(1)], dim=1
     )  # [P, numel(k) + numel(v)], row j = rank j's shard

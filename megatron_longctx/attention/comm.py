@@ -147,6 +147,32 @@ def all_to_all(send: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor |
     return recv
 
 
+def all_to_all_rows(send_rows: Sequence[torch.Tensor], recv_rows: Sequence[torch.Tensor],
+                    group: dist.ProcessGroup) -> None:
+    """An all-to-all whose rows are separate tensors: ``send_rows[j]`` goes to rank ``j``, the row from
+    rank ``i`` is written into ``recv_rows[i]``.
+
+    Each row is a contiguous tensor of ``n`` elements (views of any buffer, in any order: this is what
+    lets a receive land straight in its final place), sent by point-to-point messages posted together
+    (``batch_isend_irecv``, as :class:`RingComm`); a rank's own row is copied.  Counted as one
+    ``all_to_all`` of ``P`` rows.
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ops = []
+    for j in range(size):
+        if j != rank:
+            peer = dist.get_global_rank(group, j)
+            ops += [dist.P2POp(dist.isend, send_rows[j], peer, group, _ROWS_TAG),
+                    dist.P2POp(dist.irecv, recv_rows[j], peer, group, _ROWS_TAG)]
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    recv_rows[rank].copy_(send_rows[rank])
+    for request in requests:
+        request.wait()
+    STATS.add("all_to_all", sum(_nbytes(t) for j, t in enumerate(send_rows) if j != rank))
+
+
+_ROWS_TAG = 2  # apart from the ring's K/V (0) and dK/dV (1) messages
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

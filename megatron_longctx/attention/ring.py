@@ -23,12 +23,14 @@ from .args import AttentionArgs
 from .comm import RingComm, pack, unpack
 from .schedule import RingSchedule
 from .segments import (
+    GradSum,
     attend_first,
     attend_local,
     attend_local_backward,
     attend_segments,
     attend_segments_backward,
     attend_whole_backward,
+    split_for_overlap,
     whole,
 )
 
@@ -94,57 +96,58 @@ def ring_backward(
     step earlier), this rank adds its block gradients and posts the sum to the shard's next holder,
     or home after the last step: as many dK/dV messages as K/V messages.  dK/dV travel in the
     accumulator dtype (float32; float64 for float64 inputs).
+
+    The local block is computed in two parts (:func:`.segments.split_for_overlap`): a small head
+    while the first remote K/V arrive, the rest after the last remote step, while the last dK/dV
+    travel home (at ``P = 2`` nothing else is left to hide that return behind).  Gradients are
+    summed by :class:`.segments.GradSum`: the first contribution to a row range initialises it.
     """
     rank = _ring_rank(group, schedule)
     if not schedule.transfers:
         return attend_local_backward(dout, q, k, v, out, lse, schedule.calls[0][rank], args.softmax_scale,
                                      args.backend)
-    offsets = schedule.offsets
+    offsets, acc = schedule.offsets, lse.dtype
     kv_comm, dkv_comm = RingComm(group, tag=0), RingComm(group, tag=1)
-    dq = None  # [b, s/P, h_q, d_qk] in the accumulator dtype, from step 0's gradients
+    dq = GradSum([q.shape], acc, q.device)  # [b, s/P, h_q, d_qk]
+    own = GradSum([k.shape, v.shape], acc, q.device)  # this rank's dK/dV, kept at home
     kv = pack([k, v])  # [numel(k) + numel(v)]
-    own = incoming = None
-    for i, t in enumerate(offsets):
+    next_kv = kv_comm.send_recv(kv, schedule.hop(0))
+    kv_comm.commit()
+    head, tail = split_for_overlap(schedule.calls[0][rank])
+    _step_backward(dout, q, k, v, out, lse, head, args, dq, own)
+    incoming = None
+    for i in range(1, len(offsets)):
         last = i + 1 == len(offsets)
+        kv_comm.wait()
+        kv = next_kv
         if not last:
             next_kv = kv_comm.send_recv(kv, schedule.hop(i))
             kv_comm.commit()
-        k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - t)
-        dq, dkv = _step_backward(dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args, dq)
-        if i == 0:
-            own = dkv
-        else:
-            if incoming is not None:
-                dkv_comm.wait()
-                dkv += incoming  # dK/dV of the earlier holders of this shard
-            incoming = dkv_comm.send_recv(dkv, schedule.hop(i) if not last else -t)  # next holder, or home
-            dkv_comm.commit()
-        if not last:
-            kv_comm.wait()
-            kv = next_kv
-    if incoming is not None:
-        dkv_comm.wait()
-        own += incoming  # every other rank's contribution to this rank's dK/dV
-    dk, dv = unpack(own, (k.shape, v.shape))
+        k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - offsets[i])
+        dkv = GradSum([k.shape, v.shape], acc, q.device, flat=True)  # [numel(k) + numel(v)]
+        _step_backward(dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args, dq, dkv)
+        if incoming is not None:
+            dkv_comm.wait()
+            dkv.add(0, k.shape[1], unpack(incoming, (k.shape, v.shape)))  # dK/dV of the earlier holders
+        incoming = dkv_comm.send_recv(dkv.message(), schedule.hop(i) if not last else -offsets[i])
+        dkv_comm.commit()  # to the next holder, or home
+    _step_backward(dout, q, k, v, out, lse, tail, args, dq, own)
+    dkv_comm.wait()
+    own.add(0, k.shape[1], unpack(incoming, (k.shape, v.shape)))  # every other rank's contribution
+    (dq,), (dk, dv) = dq.result(), own.result()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _step_backward(dout, q, k_i, v_i, out, lse, calls, args: AttentionArgs, dq):
-    """One ring step's gradients: ``dq`` accumulated (created on step 0, when None) and this step's dK/dV
-    flat ``[numel(k) + numel(v)]``, both in the accumulator dtype.  One call over the whole block
-    takes the kernel's gradients as they are (no zero-filled buffer to add them into)."""
-    acc = lse.dtype
+def _step_backward(dout, q, k_i, v_i, out, lse, calls, args: AttentionArgs, dq: GradSum, dkv: GradSum) -> None:
+    """Add the gradients of ``calls`` (queries ``q`` against ``k_i``/``v_i``) to ``dq`` and ``dkv``.  One
+    call over the whole block runs without slicing."""
     if whole(calls, q.shape[1], k_i.shape[1]):
         dq_i, dk_i, dv_i = attend_whole_backward(dout, q, k_i, v_i, out, lse, calls[0], args.softmax_scale,
                                                  args.backend)
-        dq = dq_i.to(acc) if dq is None else dq.add_(dq_i)
-        return dq, pack([dk_i, dv_i], dtype=acc)
-    if dq is None:
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dkv = torch.zeros(k_i.numel() + v_i.numel(), dtype=acc, device=q.device)  # this step's dK/dV, flat
-    dk_i, dv_i = unpack(dkv, (k_i.shape, v_i.shape))
-    attend_segments_backward(dout, q, k_i, v_i, out, lse, calls, args.softmax_scale, args.backend, dq, dk_i, dv_i)
-    return dq, dkv
+        dq.add(0, q.shape[1], [dq_i])
+        dkv.add(0, k_i.shape[1], [dk_i, dv_i])
+        return
+    attend_segments_backward(dout, q, k_i, v_i, out, lse, calls, args.softmax_scale, args.backend, dq, dkv)
 
 
 class RingAttention(torch.autograd.Function):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import NamedTuple
+import math
+from typing import NamedTuple, Sequence
 
 import torch
 
 from ..kernels.base import BlockArgs, BlockMask, Visibility
-from ..kernels.merge import merge
+from ..kernels.merge import merge_
 from ..kernels.select import kernel_for
 
 DENSE = BlockMask(causal=False, window=(-1, -1))
@@ -66,17 +67,29 @@ def local_offsets(segs: Segments) -> list[int]:
 
 
 def visible_pairs(mask: BlockMask, q_start: int, q_len: int, k_start: int, k_len: int) -> int:
-    """Number of visible (query, key) pairs of one block (exact; used for FLOP accounting)."""
+    """Number of visible (query, key) pairs of one block (exact; used for FLOP accounting).
+
+    Integer arithmetic only (no tensors): the pairs with ``q - k <= t`` are
+    ``sum_q clamp(k_start + k_len + t - q, 0, k_len)``, an arithmetic series cut at 0 and ``k_len``;
+    the visible ones are those with ``-right <= q - k <= left``.
+    """
     if q_len <= 0 or k_len <= 0:
         return 0
-    pos = torch.arange(q_start, q_start + q_len, dtype=torch.int64)  # [q_len]
-    lo = torch.full_like(pos, k_start)
-    hi = torch.full_like(pos, k_start + k_len - 1)
-    if mask.left >= 0:
-        lo = torch.maximum(lo, pos - mask.left)
-    if mask.right >= 0:
-        hi = torch.minimum(hi, pos + mask.right)
-    return int((hi - lo + 1).clamp_min(0).sum())
+
+    def series(x: int) -> int:  # sum of min(y, k_len) over y = 1..x (0 for x <= 0)
+        if x <= 0:
+            return 0
+        if x <= k_len:
+            return x * (x + 1) // 2
+        return k_len * (k_len + 1) // 2 + (x - k_len) * k_len
+
+    def at_most(t: int) -> int:  # pairs with q - k <= t
+        top = k_start + k_len + t - q_start  # the clamp's argument at the first query
+        return series(top) - series(top - q_len)
+
+    upper = at_most(mask.left) if mask.left >= 0 else q_len * k_len
+    lower = at_most(-mask.right - 1) if mask.right >= 0 else 0
+    return upper - lower
 
 
 def _anchored_positions(segs: Segments, offsets: list[int], first: int, last: int) -> list[int]:
@@ -236,9 +249,86 @@ def attend_segments(
         qc, kc, vc = q[:, c.q_lo:c.q_hi], k[:, c.k_lo:c.k_hi], v[:, c.k_lo:c.k_hi]
         out, lse = kernel_for(qc, kc, vc, args, backend).forward(qc, kc, vc, args)
         rows = slice(c.q_lo, c.q_hi)
-        merged_out, merged_lse = merge(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
-        out_acc[:, rows] = merged_out  # [b, rows, h_q, d_v]
-        lse_acc[:, :, rows] = merged_lse  # [b, h_q, rows]
+        merge_(out_acc[:, rows], lse_acc[:, :, rows], out, lse)  # [b, rows, h_q, d_v], [b, h_q, rows]
+
+
+class GradSum:
+    """Sums of gradient contributions to tensors that share their token dim 1 (``[b, n, h, d]`` each).
+
+    The first contribution to a token range is copied in and later ones are added, so no buffer is
+    zero-filled first; :meth:`result` zeroes only the tokens no contribution reached (rows that see
+    no key, keys no row sees).  ``flat``: the tensors are views of one contiguous buffer
+    ``[sum numel]`` (a message for :class:`.comm.RingComm`), else each is its own tensor and a
+    first contribution that covers every token in the right dtype is taken as it is (no copy).
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device, flat: bool = False):
+        self.shapes, self.dtype, self.device, self.flat = list(shapes), dtype, device, flat
+        self.n = self.shapes[0][1]
+        self.buffer: torch.Tensor | None = None  # the flat message
+        self.tensors: list[torch.Tensor] | None = None
+        self._done: list[tuple[int, int]] = []  # sorted, disjoint token ranges written so far
+
+    def _allocate(self) -> None:
+        if self.flat:
+            self.buffer = torch.empty(sum(math.prod(s) for s in self.shapes), dtype=self.dtype, device=self.device)
+            self.tensors, offset = [], 0
+            for shape in self.shapes:
+                self.tensors.append(self.buffer[offset:offset + math.prod(shape)].view(shape))
+                offset += math.prod(shape)
+        else:
+            self.tensors = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes]
+
+    def _parts(self, lo: int, hi: int):
+        """``(start, stop, fresh)`` pieces of ``[lo, hi)``: fresh where nothing was written yet."""
+        pos = lo
+        for a, b in self._done:
+            if b <= pos or a >= hi:
+                continue
+            if a > pos:
+                yield pos, a, True
+            yield max(a, pos), min(b, hi), False
+            pos = min(b, hi)
+        if pos < hi:
+            yield pos, hi, True
+
+    def add(self, lo: int, hi: int, grads: Sequence[torch.Tensor]) -> None:
+        """Add ``grads`` (``[b, hi - lo, ...]`` each, any float dtype) to tokens ``[lo, hi)``."""
+        if lo >= hi:
+            return
+        if self.tensors is None:
+            if not self.flat and (lo, hi) == (0, self.n) and all(
+                    g.dtype == self.dtype and g.is_contiguous() for g in grads):
+                self.tensors, self._done = list(grads), [(0, self.n)]
+                return
+            self._allocate()
+        for a, b, fresh in list(self._parts(lo, hi)):
+            for t, g in zip(self.tensors, grads):
+                dst, src = t[:, a:b], g[:, a - lo:b - lo]
+                dst.copy_(src) if fresh else dst.add_(src)
+        spans = sorted(self._done + [(lo, hi)])
+        self._done = []
+        for a, b in spans:
+            if self._done and a <= self._done[-1][1]:
+                self._done[-1] = (self._done[-1][0], max(b, self._done[-1][1]))
+            else:
+                self._done.append((a, b))
+
+    def result(self) -> list[torch.Tensor]:
+        """The sums, zero on tokens no contribution reached."""
+        if self.tensors is None:
+            self._allocate()
+        for a, b, fresh in list(self._parts(0, self.n)):
+            if fresh:
+                for t in self.tensors:
+                    t[:, a:b].zero_()
+        self._done = [(0, self.n)]
+        return self.tensors
+
+    def message(self) -> torch.Tensor:
+        """The flat buffer ``[sum numel]`` of a ``flat`` sum (see :meth:`result`)."""
+        self.result()
+        return self.buffer
 
 
 def attend_segments_backward(
@@ -251,24 +341,53 @@ def attend_segments_backward(
     calls: tuple[BlockCall, ...],
     softmax_scale: float,
     backend: str | None,
-    dq_acc: torch.Tensor,
-    dk_acc: torch.Tensor,
-    dv_acc: torch.Tensor,
+    dq: GradSum,
+    dkv: GradSum,
 ) -> None:
     """Backward of :func:`attend_segments` given the *final* ``out``/``lse`` of every query row.
 
-    Adds each call's gradients into ``dq_acc`` ``[b, s_q, h_q, d_qk]``, ``dk_acc``
-    ``[b, s_k, h_kv, d_qk]`` and ``dv_acc`` ``[b, s_k, h_kv, d_v]`` (accumulator dtype).
+    Adds each call's gradients to ``dq`` (over ``[b, s_q, h_q, d_qk]``) and ``dkv`` (over dk
+    ``[b, s_k, h_kv, d_qk]`` and dv ``[b, s_k, h_kv, d_v]``).
     """
     for c in calls:
         args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
         rows, cols = slice(c.q_lo, c.q_hi), slice(c.k_lo, c.k_hi)
         qc, kc, vc = q[:, rows], k[:, cols], v[:, cols]
         kernel = kernel_for(qc, kc, vc, args, backend)
-        dq, dk, dv = kernel.backward(dout[:, rows], qc, kc, vc, out[:, rows], lse[:, :, rows].contiguous(), args)
-        dq_acc[:, rows] += dq
-        dk_acc[:, cols] += dk
-        dv_acc[:, cols] += dv
+        dq_c, dk_c, dv_c = kernel.backward(dout[:, rows], qc, kc, vc, out[:, rows], lse[:, :, rows].contiguous(), args)
+        dq.add(c.q_lo, c.q_hi, [dq_c])
+        dkv.add(c.k_lo, c.k_hi, [dk_c, dv_c])
+
+
+def split_rows(call: BlockCall, row: int) -> tuple[BlockCall, ...]:
+    """``call`` cut before local query row ``row``: its rows above and from ``row`` on, each trimmed to the
+    keys they see (a part that sees nothing is dropped)."""
+    if not call.q_lo < row < call.q_hi:
+        return (call,)
+    shift = row - call.q_lo
+    parts = (_trim(call.mask, call.q_lo, row, call.q_start, call.k_lo, call.k_hi, call.k_start),
+             _trim(call.mask, row, call.q_hi, call.q_start + shift, call.k_lo, call.k_hi, call.k_start))
+    return tuple(p for p in parts if p is not None)
+
+
+@functools.lru_cache(maxsize=1024)
+def split_for_overlap(calls: tuple[BlockCall, ...]) -> tuple[tuple[BlockCall, ...], tuple[BlockCall, ...]]:
+    """``(head, tail)``: ``calls`` cut into a small first part (about a quarter of the pairs) and the rest.
+
+    The ring backward runs the head while the first remote K/V arrive and the tail while the last
+    dK/dV travel home.  Several calls are cut between calls; a single call is cut at its middle row
+    (the zigzag local block: the first chunk's causal diagonal, then the second chunk's rows).
+    """
+    if len(calls) == 1:
+        c = calls[0]
+        parts = split_rows(c, (c.q_lo + c.q_hi) // 2)
+        return parts[:1], parts[1:]
+    total, running = sum(c.pairs for c in calls), 0
+    for i, c in enumerate(calls):
+        running += c.pairs
+        if 4 * running >= total:
+            return calls[:i + 1], calls[i + 1:]
+    return calls, ()
 
 
 def whole(calls: tuple[BlockCall, ...], s_q: int, s_k: int) -> bool:
@@ -335,8 +454,8 @@ def attend_local_backward(
     if whole(calls, q.shape[1], k.shape[1]):
         return attend_whole_backward(dout, q, k, v, out, lse, calls[0], softmax_scale, backend)
     acc = lse.dtype
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, s_q, h_q, d_qk]
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # [b, s_k, h_kv, d_qk]
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)  # [b, s_k, h_kv, d_v]
-    attend_segments_backward(dout, q, k, v, out, lse, calls, softmax_scale, backend, dq, dk, dv)
+    dq = GradSum([q.shape], acc, q.device)  # [b, s_q, h_q, d_qk]
+    dkv = GradSum([k.shape, v.shape], acc, q.device)  # [b, s_k, h_kv, d_qk], [b, s_k, h_kv, d_v]
+    attend_segments_backward(dout, q, k, v, out, lse, calls, softmax_scale, backend, dq, dkv)
+    (dq,), (dk, dv) = dq.result(), dkv.result()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

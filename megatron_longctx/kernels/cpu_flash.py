@@ -14,7 +14,7 @@ What the op does, read off torch 2.13 and 2.14:
 - k/v with fewer heads than q (GQA/MQA) are accepted (probed once, see :func:`native_gqa`);
 - a row whose mask hides every key returns ``out = 0`` with ``lse = 0`` (not ``-inf``), an empty
   ``s_q`` or ``s_k`` kills the process (SIGFPE), and backward given ``lse = -inf`` returns NaN.
-  The driver never hands the op such rows, and passes ``lse = +inf`` for rows that saw nothing.
+  The driver never hands the op such rows: every row of a piece sees a key, so its final lse is finite.
 
 Masks per piece (a :class:`~.base.LiveBlock`): no band → no mask; band ``j - i <= 0`` → ``is_causal``;
 band ``j - i <= t`` with ``t > 0`` → keys ``[0, t)`` are seen by every row (no mask) and the rest is

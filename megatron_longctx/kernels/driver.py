@@ -38,7 +38,8 @@ class PieceKernel(Protocol):
     ``forward(q, k, v, scale, piece)``: q ``[b, s_q, h_q, D]``, k/v ``[b, s_k, h_kv, D]`` →
     out ``[b, s_q, h_q, D]`` (q's dtype), lse ``[b, h_q, s_q]`` (float32; float64 for float64).
     ``backward(dout, q, k, v, out, lse, scale, piece)`` → dq, dk, dv shaped like q, k, v; ``dout`` and
-    ``out`` come in q's dtype, ``lse`` contiguous with ``+inf`` on rows that contribute nothing.
+    ``out`` come in q's dtype, ``lse`` contiguous and finite (the piece's rows are the final lse of
+    rows that see a key of the piece).
     """
 
     head_multiple: int  # the padded head dim D is a multiple of this
@@ -144,9 +145,9 @@ def backward(
         # Pieces share keys (never rows): accumulate dk/dv in at least float32.
         acc = torch.promote_types(q.dtype, torch.float32)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-    # A row whose final lse is -inf saw nothing anywhere: +inf makes every p = exp(s - lse) zero.
-    lse = lse.to(lse_dtype(q))
-    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # [b, h_q, s_q]
+    # Every row of a piece sees a key of it, so its final lse is finite: no row needs the +inf of a
+    # row that saw nothing anywhere, and lse goes to the kernel as it is (no full-size masked copy).
+    lse = lse.to(lse_dtype(q))  # [b, h_q, s_q]
     for p in pieces:
         rows, keys = slice(p.q_lo, p.q_hi), slice(p.k_lo, p.k_hi)
         dop = _pad_to(dout[:, rows].to(q.dtype), d)  # [b, s_q', h_q, D]

@@ -31,6 +31,22 @@ def merge(
     return out, lse
 
 
+def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold the partial ``(out, lse)`` into the accumulator ``(out_acc, lse_acc)`` in place (views allowed).
+
+    ``out_acc`` ``[b, s, h, d]`` and ``lse_acc`` ``[b, h, s]`` in the accumulator dtype (float32, or
+    float64); ``out`` may be narrower.  Same result as :func:`merge`, without its temporaries: the
+    weights are taken against ``lse`` floored at the dtype's lowest value, so a row where both sides
+    saw nothing gets weights ``exp(-inf) = 0`` instead of NaN and stays ``out = 0``, ``lse = -inf``.
+    """
+    new = torch.logaddexp(lse_acc, lse)  # [b, h, s]
+    floor = new.clamp(min=torch.finfo(new.dtype).min)
+    w_acc = torch.exp(lse_acc - floor).transpose(1, 2).unsqueeze(-1)  # [b, h, s] -> [b, s, h, 1]
+    w = torch.exp(lse - floor).transpose(1, 2).unsqueeze(-1)
+    out_acc.mul_(w_acc).addcmul_(out, w)
+    lse_acc.copy_(new)
+
+
 def merge_into(
     out_acc: torch.Tensor | None, lse_acc: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,4 +183,6 @@ def _kernel_calls_per_ring_step():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dense_zigzag_ring_runs_one_kernel_call_per_step(world_size):
     steps = world_size  # causal zigzag: every offset has work
-    assert run_ranks(world_size, _kernel_calls_per_ring_step) == [{"forward": steps, "backward": steps}] * world_size
+    # backward: the local block in two parts, before and after the remote steps (split_for_overlap)
+    want = {"forward": steps, "backward": steps + 1}
+    assert run_ranks(world_size, _kernel_calls_per_ring_step) == [want] * world_size

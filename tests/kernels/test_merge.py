@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_longctx.kernels import BlockArgs, BlockMask, cpu_flash, merge, merge_into, reference
+from megatron_longctx.kernels import BlockArgs, BlockMask, cpu_flash, merge, merge_, merge_into, reference
 
 from .cases import CASES, make_inputs
 
@@ -67,3 +67,23 @@ def test_merge_dtypes():
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     torch.testing.assert_close(out, out_a.float())  # the same partial twice: same rows, lse + log 2
     torch.testing.assert_close(lse, lse_a + torch.log(torch.tensor(2.0)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_in_place_merge_matches_merge(dtype):
+    """merge_ folds a partial into accumulator views in place, as merge would, rows that saw nothing included."""
+    case = next(c for c in CASES if c.name == "causal_q_overlaps_before")  # rows 0-3 see no key
+    q, k, v, _ = make_inputs(case, dtype)
+    args = case.args()
+    (out_a, lse_a), (out_b, lse_b) = partials(reference, q, k, v, args, [0, 2, case.s_k])
+    want_out, want_lse = merge(out_a, lse_a, out_b, lse_b)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    out_acc = torch.zeros(out_a.shape[0], out_a.shape[1] + 2, *out_a.shape[2:], dtype=acc)
+    lse_acc = torch.full((lse_a.shape[0], lse_a.shape[1], lse_a.shape[2] + 2), float("-inf"), dtype=acc)
+    rows = slice(1, 1 + out_a.shape[1])  # views into bigger accumulators
+    merge_(out_acc[:, rows], lse_acc[:, :, rows], out_a, lse_a)
+    merge_(out_acc[:, rows], lse_acc[:, :, rows], out_b, lse_b)
+    tol = TIGHT if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)  # float32 sums in another order
+    torch.testing.assert_close(out_acc[:, rows], want_out, **tol)
+    torch.testing.assert_close(lse_acc[:, :, rows], want_lse, **tol)
+    assert not out_acc.isnan().any() and torch.isneginf(lse_acc[:, :, [0, -1]]).all()
