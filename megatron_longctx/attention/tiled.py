@@ -28,7 +28,7 @@ from .args import AttentionArgs
 from .comm import reduce_scatter, unpack
 from .layout import SeqLayout, pooled_index, to_ranks
 from .schedule import allgather_calls
-from .segments import attend_first, attend_segments_backward, restrict_rows, split_keys
+from .segments import GradSum, attend_first, attend_segments_backward, restrict_rows, split_keys
 
 # Keys per kernel call of a query tile: its backward's dK/dV temporaries hold at most this many keys.
 KEY_BLOCK = 2048
@@ -50,7 +50,7 @@ class TiledKV:
         self.calls = allgather_calls(self.layout, self.rank, args.mask)
         self._k = self._v = None  # local K/V [b, t, h_kv, d], filled tile by tile
         self.k_all = self.v_all = None  # gathered K/V [b, P*t, h_kv, d]
-        self.dk_all = self.dv_all = None  # their gradients (accumulator dtype)
+        self.dkv_all: Optional[GradSum] = None  # their gradients (accumulator dtype)
         self._dk = self._dv = None  # this rank's dK/dV after the reduce-scatter [b, t, h_kv, d]
 
     def store(self, lo: int, hi: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -74,8 +74,7 @@ class TiledKV:
         self._k = self._v = None
         if with_grads:
             acc = torch.promote_types(self.k_all.dtype, torch.float32)
-            self.dk_all = torch.zeros(self.k_all.shape, dtype=acc, device=self.k_all.device)
-            self.dv_all = torch.zeros(self.v_all.shape, dtype=acc, device=self.v_all.device)
+            self.dkv_all = GradSum([self.k_all.shape, self.v_all.shape], acc, self.k_all.device)
 
     def attend(self, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Attention of query tile ``[lo, hi)``, q ``[t', b, h_q, d_qk]`` -> ``[t', b, h_q, d_v]``."""
@@ -86,8 +85,8 @@ class TiledKV:
 
         The gathered K/V go first; each gradient is moved into the send buffer and dropped before the next."""
         self.k_all = self.v_all = None
-        dk_all, dv_all = self.dk_all, self.dv_all
-        self.dk_all = self.dv_all = None
+        dk_all, dv_all = self.dkv_all.result()
+        self.dkv_all = None
         if self.group is None:
             self._dk, self._dv = dk_all, dv_all
             return
@@ -107,7 +106,7 @@ class TiledKV:
         return (self._dk[:, lo:hi].transpose(0, 1).to(dtype), self._dv[:, lo:hi].transpose(0, 1).to(dtype))
 
     def release(self) -> None:
-        self._k = self._v = self.k_all = self.v_all = self.dk_all = self.dv_all = self._dk = self._dv = None
+        self._k = self._v = self.k_all = self.v_all = self.dkv_all = self._dk = self._dv = None
 
 
 class _TileAttention(torch.autograd.Function):
@@ -127,9 +126,9 @@ class _TileAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qb, out, lse = ctx.saved_tensors
         kv = ctx.kv
-        if kv.dk_all is None:
+        if kv.dkv_all is None:
             raise RuntimeError("a tiled attention backward ran without dK/dV accumulators (TiledKV.gather(True))")
-        dq = torch.zeros(qb.shape, dtype=lse.dtype, device=qb.device)  # [b, t', h_q, d_qk]
+        dq = GradSum([qb.shape], lse.dtype, qb.device)  # [b, t', h_q, d_qk]
         attend_segments_backward(dout.transpose(0, 1).contiguous(), qb, kv.k_all, kv.v_all, out, lse, ctx.calls,
-                                 kv.args.softmax_scale, kv.args.backend, dq, kv.dk_all, kv.dv_all)
-        return dq.to(qb.dtype).transpose(0, 1), None, None, None
+                                 kv.args.softmax_scale, kv.args.backend, dq, kv.dkv_all)
+        return dq.result()[0].to(qb.dtype).transpose(0, 1), None, None, None
