@@ -82,6 +82,17 @@ def batch(seed: int = 0, *, seq: int = SEQ, batch_size: int = BATCH) -> dict[str
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
 
 
+def cp_batches(cp_group: Any, seeds: range = range(2), seq: int = ORACLE_SEQ) -> list[dict[str, torch.Tensor]]:
+    """This CP rank's share of ``batch(seed)`` for each seed: tokens and positions, Megatron's zigzag slicing."""
+    from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
+
+    out = []
+    for seed in seeds:
+        b = batch(seed=seed, seq=seq)
+        out.append(get_batch_on_this_cp_rank({"tokens": b["tokens"], "position_ids": b["position_ids"]}, cp_group))
+    return out
+
+
 def loss_and_grads(model: torch.nn.Module, batches: dict | list | None = None, cp_group: Any = None,
                    total_tokens: Any = None, *, seed: int | None = 7, steps: int = 1,
                    around: Callable[[], Any] | None = None) -> tuple[torch.Tensor, dict]:

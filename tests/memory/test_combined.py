@@ -5,15 +5,7 @@ The oracle is the same model without memory features under the same parallel lay
 
 from megatron_longctx.memory import MemoryConfig
 from tests.dist import megatron_parallel, run_ranks
-from tests.gpt_kit import (
-    ORACLE,
-    ORACLE_SEQ,
-    assert_same,
-    batch,
-    build_gpt,
-    cpu,
-    loss_and_grads,
-)
+from tests.gpt_kit import ORACLE, assert_same, build_gpt, cp_batches, cpu, loss_and_grads
 
 TOGETHER = [
     MemoryConfig(recompute_granularity="full", offload_policy="checkpoint", offload_target="disk", offload_min_bytes=0,
@@ -29,16 +21,10 @@ def _cp2_all_features():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_longctx import apply_to_spec
-    from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
     from megatron_longctx.memory import install
 
     with cpu(), megatron_parallel(cp=2):
-        cp_group = parallel_state.get_context_parallel_group()
-        batches = []
-        for seed in range(2):
-            b = batch(seed=seed, seq=ORACLE_SEQ)
-            batches.append(get_batch_on_this_cp_rank({"tokens": b["tokens"], "position_ids": b["position_ids"]},
-                                                     cp_group))
+        batches = cp_batches(parallel_state.get_context_parallel_group())
         common = dict(attention_dropout=0.0, context_parallel_size=2)
         plain = build_gpt(**ORACLE, spec=apply_to_spec(get_gpt_layer_local_spec()), **common)
         ref = loss_and_grads(plain, batches=batches)

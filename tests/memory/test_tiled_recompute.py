@@ -10,14 +10,13 @@ import weakref
 import pytest
 import torch
 
-from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention import tiled
+from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention.tiled import TiledKV
-from megatron_longctx.memory import MemoryConfig
-from megatron_longctx.memory import tiled_recompute
+from megatron_longctx.memory import MemoryConfig, tiled_recompute
 from megatron_longctx.memory.tiled_recompute import tile_bounds
 from tests.dist import megatron_parallel, run_ranks
-from tests.gpt_kit import ORACLE, ORACLE_SEQ, assert_same, batch, build_gpt, cpu, loss_and_grads
+from tests.gpt_kit import ORACLE, ORACLE_SEQ, assert_same, batch, build_gpt, cp_batches, cpu, loss_and_grads
 from tests.oracle import sequence_attention
 
 
@@ -134,27 +133,21 @@ TILED = [
 
 
 def _cp2_tiled_matches_plain():
-    from megatron.core import parallel_state
-
-    from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
-    from megatron_longctx.memory import install
-
     block = tiled.KEY_BLOCK
     tiled.KEY_BLOCK = 5  # several key blocks per query tile (restored: the ranks serve other tests after)
     try:
-        _cp2_cases(parallel_state, get_batch_on_this_cp_rank, install)
+        _cp2_cases()
     finally:
         tiled.KEY_BLOCK = block
 
 
-def _cp2_cases(parallel_state, get_batch_on_this_cp_rank, install):
+def _cp2_cases():
+    from megatron.core import parallel_state
+
+    from megatron_longctx.memory import install
+
     with cpu(), megatron_parallel(cp=2):
-        cp_group = parallel_state.get_context_parallel_group()
-        batches = []
-        for seed in range(2):
-            b = batch(seed=seed, seq=ORACLE_SEQ)
-            batches.append(get_batch_on_this_cp_rank({"tokens": b["tokens"], "position_ids": b["position_ids"]},
-                                                     cp_group))
+        batches = cp_batches(parallel_state.get_context_parallel_group())
         spec = _plugin_spec(cp_algorithm="allgather")
         ref = loss_and_grads(build_gpt(**NO_DROPOUT, spec=spec, context_parallel_size=2), batches=batches)
         for cfg in TILED:
