@@ -35,6 +35,10 @@ from .segments import (
 )
 
 
+# Local tokens up to which the ring backward splits its local block around the remote steps.
+OVERLAP_MAX_TOKENS = 1024
+
+
 def _ring_rank(group: dist.ProcessGroup | None, schedule: RingSchedule) -> int:
     if group is None:
         if schedule.offsets != (0,):
@@ -97,9 +101,12 @@ def ring_backward(
     or home after the last step: as many dK/dV messages as K/V messages.  dK/dV travel in the
     accumulator dtype (float32; float64 for float64 inputs).
 
-    The local block is computed in two parts (:func:`.segments.split_for_overlap`): a small head
-    while the first remote K/V arrive, the rest after the last remote step, while the last dK/dV
-    travel home (at ``P = 2`` nothing else is left to hide that return behind).  Gradients are
+    Up to :data:`OVERLAP_MAX_TOKENS` local tokens the local block is computed in two parts
+    (:func:`.segments.split_for_overlap`): a small head while the first remote K/V arrive, the rest
+    after the last remote step, while the last dK/dV travel home (at ``P = 2`` nothing else is left to
+    hide that return behind).  Longer shards run the local block whole, first: the return is then a
+    small part of the step, and the split would hold the tail's gradients beside the messages in
+    flight.  Gradients are
     summed by :class:`.segments.GradSum`: the first contribution to a row range initialises it.
     """
     rank = _ring_rank(group, schedule)
@@ -113,7 +120,10 @@ def ring_backward(
     kv = pack([k, v])  # [numel(k) + numel(v)]
     next_kv = kv_comm.send_recv(kv, schedule.hop(0))
     kv_comm.commit()
-    head, tail = split_for_overlap(schedule.calls[0][rank])
+    local = schedule.calls[0][rank]
+    # Short blocks are latency-bound: hide the last return behind part of the local block.  Long ones are
+    # compute-bound, and the whole local block first keeps its kernel result as the accumulators.
+    head, tail = split_for_overlap(local) if q.shape[1] <= OVERLAP_MAX_TOKENS else (local, ())
     _step_backward(dout, q, k, v, out, lse, head, args, dq, own)
     incoming = None
     for i in range(1, len(offsets)):

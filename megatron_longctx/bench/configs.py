@@ -36,14 +36,14 @@ FLASH_RECOMPUTE = "megatron-flash+recompute"  # the time-per-token reference of 
 # stand-in is the disk (offload_target=disk), which is what lowers resident memory there.
 OFFLOAD = (("recompute_granularity", "full"), ("offload_policy", "checkpoint"))
 TILED = (("tiled_mlp_tiles", 4), ("tiled_loss_tiles", 4))
-# Tiles sized per sequence (as ALST does): at most this many tokens per rank in one tile, at least 4 tiles.
+# Tiles sized per sequence (as ALST does): at most this many tokens per rank in one tile.  A feature tiles
+# only from MIN_TILES tiles' worth of tokens per rank on: on a shorter sequence its extra passes (the
+# logits recomputed, the layer replay's Q/K/V projections) cost more than the memory they save, and it
+# is off (plain loss, plain MLP, plain full recompute).
 MLP_TILE_TOKENS = 256
 LOSS_TILE_TOKENS = 128
-# Layers replayed in sequence tiles: at most this many tokens per rank in one tile, and no replay below
-# LAYER_TILE_MIN_TILES tiles' worth (the replay's extra passes over the Q/K/V projection cost more than
-# they save on a short sequence; there it is plain full recompute).
-LAYER_TILE_TOKENS = 512
-LAYER_TILE_MIN_TILES = 4
+LAYER_TILE_TOKENS = 512  # layers replayed in sequence tiles
+MIN_TILES = 4
 
 
 def offload_options() -> tuple:
@@ -53,16 +53,15 @@ def offload_options() -> tuple:
 
 
 def tiles_for(variant: Variant, tokens_per_rank: int) -> Variant:
-    """``variant`` with its tile counts sized for ``tokens_per_rank`` (unchanged if untiled): tiled MLP / loss
-    at least 4 tiles; the layer replay from :data:`LAYER_TILE_MIN_TILES` tiles on, off below."""
+    """``variant`` with its tile counts sized for ``tokens_per_rank`` (unchanged if untiled): as many tiles as
+    each feature's tile size needs, from :data:`MIN_TILES` tiles on; fewer turn the feature off."""
     options = variant.options()
-    sized = {"tiled_mlp_tiles": MLP_TILE_TOKENS, "tiled_loss_tiles": LOSS_TILE_TOKENS}
+    sized = {"tiled_mlp_tiles": MLP_TILE_TOKENS, "tiled_loss_tiles": LOSS_TILE_TOKENS,
+             "recompute_tiles": LAYER_TILE_TOKENS}
     for key, tile in sized.items():
         if options.get(key):
-            options[key] = max(4, -(-tokens_per_rank // tile))
-    if options.get("recompute_tiles"):
-        tiles = -(-tokens_per_rank // LAYER_TILE_TOKENS)
-        options["recompute_tiles"] = tiles if tiles >= LAYER_TILE_MIN_TILES else 0
+            tiles = -(-tokens_per_rank // tile)
+            options[key] = tiles if tiles >= MIN_TILES else 0
     if options.get("recompute_tiles", 0) > 1 and options.get("tiled_mlp_tiles"):
         # Inside a replayed tile the MLP sees that tile only: its tiles are sized for it.
         layer_tile = -(-tokens_per_rank // options["recompute_tiles"])
@@ -125,13 +124,12 @@ def default_configs(cp: int) -> list[BenchConfig]:
         plugin("ring+offload", "ring", offload_options(),
                f"plugin, CP={cp}, ring, full recompute + checkpoint offload"),
         plugin("ring+tiled", "ring", TILED, f"plugin, CP={cp}, ring, tiled MLP + tiled loss "
-               f"(<= {MLP_TILE_TOKENS} / {LOSS_TILE_TOKENS} tokens per tile, >= 4 tiles)"),
+               f"(<= {MLP_TILE_TOKENS} / {LOSS_TILE_TOKENS} tokens per tile, from {MIN_TILES} tiles' worth on)"),
         plugin("ring+all", "ring", offload_options() + TILED,
                f"plugin, CP={cp}, ring, recompute + checkpoint offload + tiled MLP/loss"),
         plugin("allgather+all", "allgather", offload_options() + TILED + (("recompute_tiles", 4),),
                f"plugin, CP={cp}, all-gather, recompute in sequence tiles (<= {LAYER_TILE_TOKENS} tokens per "
-               f"tile, from {LAYER_TILE_MIN_TILES * LAYER_TILE_TOKENS} tokens per rank on) + checkpoint offload + "
-               f"tiled MLP/loss"),
+               f"tile) + checkpoint offload + tiled MLP/loss; each tiles from {MIN_TILES} tiles' worth on"),
     ]
 
 

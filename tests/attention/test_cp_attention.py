@@ -132,6 +132,23 @@ def test_matches_float64_reference(world_size, seed, case):
     run_ranks(world_size, _check_case, case, seed)
 
 
+def _ring_without_split(cases):
+    from megatron_longctx.attention import ring
+
+    limit = ring.OVERLAP_MAX_TOKENS
+    ring.OVERLAP_MAX_TOKENS = 0  # every shard "long": the local block runs whole, first (restored after)
+    try:
+        return _run_cases(cases)
+    finally:
+        ring.OVERLAP_MAX_TOKENS = limit
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_backward_without_the_overlap_split(world_size):
+    cases = [c for c in _cases(world_size) if c.algorithm == "ring"]
+    assert run_ranks(world_size, _ring_without_split, cases)[0] == len(cases) > 0
+
+
 def _uneven_heads():
     """Heads that only some algorithms take (ring/all-gather with h_q % cp != 0, hybrid MQA), and the
     reference kernel asked for by name."""

@@ -153,6 +153,8 @@ def test_bench_numeric_flags_are_checked(argv, flag, capsys):
 
 
 @pytest.mark.parametrize("tokens, layer_tiles, mlp_tiles, loss_tiles", [
+    (384, 0, 0, 0),  # a short sequence: fewer than 4 tiles' worth of each, nothing tiled
+    (640, 0, 0, 5),  # the loss tiles from 512 tokens per rank on, the MLP from 1024
     (1024, 0, 4, 8),  # below 4 layer tiles' worth: plain full recompute, MLP tiles for the whole rank
     (2048, 4, 2, 16),  # 4 replayed tiles of 512; the MLP tiles each replayed tile
     (14336, 28, 2, 112),
@@ -165,4 +167,4 @@ def test_tile_counts_follow_the_sequence(tokens, layer_tiles, mlp_tiles, loss_ti
     assert (options["recompute_tiles"], options["tiled_mlp_tiles"], options["tiled_loss_tiles"]) == (
         layer_tiles, mlp_tiles, loss_tiles)
     ring = dict(tiles_for(by_name_of(default_configs(2))["ring+all"].variant, tokens).longctx_options)
-    assert "recompute_tiles" not in ring and ring["tiled_mlp_tiles"] == max(4, tokens // 256)
+    assert "recompute_tiles" not in ring and ring["tiled_mlp_tiles"] == (tokens // 256 if tokens >= 1024 else 0)
