@@ -110,10 +110,12 @@ def tile_bounds(seq_len: int, num_tiles: int) -> list[tuple[int, int]]:
 class _TiledCall:
     """One replayed layer call: the function, its arguments, and what each tile gets."""
 
+    # The hidden states themselves are never held here: the layer input must die with the forward
+    # unless save_for_backward's packer (checkpoint offload) keeps it.
     fn: Callable
     positional: bool  # the hidden states came as the first positional argument (else as a keyword)
-    rest: tuple  # the positional arguments after the hidden states (never the hidden states themselves:
-    kwargs: dict  # the layer input must die with the forward unless save_for_backward's packer keeps it)
+    rest: tuple  # the positional arguments after the hidden states
+    kwargs: dict
     num_tiles: int
     rng: RngSnapshot
     out_spec: Any = None
