@@ -30,6 +30,22 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index)
     return k_all, v_all
 
 
+def scatter_kv_grads(grads: list, group: dist.ProcessGroup, index, local_shapes) -> list[torch.Tensor]:
+    """The gathered ``grads`` ``[dk_all, dv_all]`` (``[b, P*t, h_kv, d]``, natural order) summed over the
+    ranks into this rank's ``[b, t, h_kv, d]`` shares, shaped ``local_shapes``.
+
+    The list is consumed: each gradient is moved into the one send buffer and dropped before the next.
+    """
+    p = dist.get_world_size(group)
+    sizes = [g[:, : g.shape[1] // p].numel() for g in grads]
+    per_rank = grads[0].new_empty(p, sum(sizes))  # [P, numel(k) + numel(v)], row j = rank j's shard
+    offset = 0
+    for n in sizes:
+        per_rank[:, offset:offset + n] = to_ranks(grads.pop(0), p, index).flatten(1)
+        offset += n
+    return unpack(reduce_scatter(per_rank, group), local_shapes)
+
+
 def allgather_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, layout: SeqLayout,
     args: AttentionArgs,
@@ -64,12 +80,9 @@ def allgather_backward(
     dkv_all = GradSum([k_all.shape, v_all.shape], acc, q.device)  # [b, P*t, h_kv, d_qk], [b, P*t, h_kv, d_v]
     attend_segments_backward(dout, q, k_all, v_all, out, lse, calls, args.softmax_scale, args.backend, dq, dkv_all)
     del k_all, v_all
-    (dq,), (dk_all, dv_all) = dq.result(), dkv_all.result()
-    per_rank = torch.cat(
-        [to_ranks(dk_all, p, index).flatten(1), to_ranks(dv_all, p, index).flatten(1)], dim=1
-    )  # [P, numel(k) + numel(v)], row j = rank j's shard
-    dkv = reduce_scatter(per_rank, group)  # [numel(k) + numel(v)]
-    dk, dv = unpack(dkv, (k.shape, v.shape))
+    (dq,), grads = dq.result(), dkv_all.result()
+    del dkv_all
+    dk, dv = scatter_kv_grads(grads, group, index, (k.shape, v.shape))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

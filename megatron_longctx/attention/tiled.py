@@ -23,10 +23,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .allgather import gather_kv
+from .allgather import gather_kv, scatter_kv_grads
 from .args import AttentionArgs
-from .comm import reduce_scatter, unpack
-from .layout import SeqLayout, pooled_index, to_ranks
+from .layout import SeqLayout, pooled_index
 from .schedule import allgather_calls
 from .segments import GradSum, attend_first, attend_segments_backward, restrict_rows, split_keys
 
@@ -63,7 +62,7 @@ class TiledKV:
         self._v[:, lo:hi] = v.transpose(0, 1)
 
     def gather(self, with_grads: bool) -> None:
-        """The gathered K/V from the stored tiles (and zeroed dK/dV accumulators when ``with_grads``)."""
+        """The gathered K/V from the stored tiles (and empty dK/dV sums when ``with_grads``)."""
         if self._k is None:
             raise RuntimeError("TiledKV.gather before any tile was stored")
         if self.group is None:
@@ -83,23 +82,18 @@ class TiledKV:
     def reduce_grads(self) -> None:
         """Sum every rank's dK/dV contributions into the owner's share; drop the gathered tensors.
 
-        The gathered K/V go first; each gradient is moved into the send buffer and dropped before the next."""
+        The gathered K/V are dropped first (:func:`.allgather.scatter_kv_grads` then frees each gradient as
+        it moves into the send buffer)."""
         self.k_all = self.v_all = None
-        dk_all, dv_all = self.dkv_all.result()
-        self.dkv_all = None
+        dkv, self.dkv_all = self.dkv_all, None
+        grads = dkv.result()  # [dk_all, dv_all]
+        del dkv
         if self.group is None:
-            self._dk, self._dv = dk_all, dv_all
+            self._dk, self._dv = grads
             return
-        index = pooled_index(self.layout, self.cp, dk_all.device)
-        shape_k = (dk_all.shape[0], self.layout.local_len, *dk_all.shape[2:])
-        shape_v = (dv_all.shape[0], self.layout.local_len, *dv_all.shape[2:])
-        n_k = dk_all[:, : self.layout.local_len].numel()
-        per_rank = dk_all.new_empty(self.cp, n_k + dv_all[:, : self.layout.local_len].numel())  # [P, n_k + n_v]
-        per_rank[:, :n_k] = to_ranks(dk_all, self.cp, index).flatten(1)
-        del dk_all
-        per_rank[:, n_k:] = to_ranks(dv_all, self.cp, index).flatten(1)
-        del dv_all
-        self._dk, self._dv = unpack(reduce_scatter(per_rank, self.group), (shape_k, shape_v))
+        shapes = [(g.shape[0], self.layout.local_len, *g.shape[2:]) for g in grads]
+        index = pooled_index(self.layout, self.cp, grads[0].device)
+        self._dk, self._dv = scatter_kv_grads(grads, self.group, index, shapes)
 
     def kv_grads(self, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """dK/dV of local tile ``[lo, hi)`` as ``[t', b, h_kv, d]`` in ``dtype``."""
