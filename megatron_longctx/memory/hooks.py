@@ -24,6 +24,16 @@ class Packer(Protocol):
         """The tensor ``pack`` was given (same values, shape, dtype, device)."""
 
 
+class RowPacker(Packer, Protocol):
+    """A packer that can also hand back a saved tensor a range of rows (dim 0) at a time."""
+
+    def pack_rows(self, tensor: torch.Tensor) -> Optional[Any]:
+        """A packed object :meth:`unpack_rows` serves, or None to leave the tensor to the next packer."""
+
+    def unpack_rows(self, packed: Any, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of the packed tensor, alone (the other rows stay where they are)."""
+
+
 class Observer(Protocol):
     def observe(self, tensor: torch.Tensor, packed_by: Optional[Packer]) -> None:
         """Called for every saved tensor, after the packers (``packed_by`` None: stored as is)."""
@@ -88,6 +98,34 @@ def _pack(tensor: torch.Tensor) -> tuple[Optional[Packer], Any]:
 def _unpack(item: tuple[Optional[Packer], Any]) -> torch.Tensor:
     packer, packed = item
     return packed if packer is None else packer.unpack(packed)
+
+
+def pack_rows(tensor: torch.Tensor) -> Optional[tuple]:
+    """``tensor`` packed by the innermost packer that claims it, if that packer serves it row by row.
+
+    For a tensor its owner will read back in row ranges (a layer replayed in sequence tiles): the item
+    for :func:`unpack_rows`, or None when the tensor is to be saved as usual (no chain active, another
+    ``saved_tensors_hooks`` is innermost, or the first packer that could claim it cannot serve rows).
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not getattr(_state, "depth", 0) or top is None or top[0] is not _pack:
+        return None
+    for packer in reversed(_state.packers):
+        rows = getattr(packer, "pack_rows", None)
+        if rows is None:
+            return None  # it might claim the tensor: save_for_backward asks it
+        packed = rows(tensor)
+        if packed is not None:
+            for observer in _state.observers:
+                observer.observe(tensor, packer)
+            return packer, packed
+    return None
+
+
+def unpack_rows(item: tuple, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of a tensor :func:`pack_rows` packed."""
+    packer, packed = item
+    return packer.unpack_rows(packed, lo, hi)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import math
 import os
 import threading
 import warnings
@@ -61,6 +62,7 @@ class OffloadStats:
     host_noop_bytes: int = 0  # target host but the tensor is already in host memory
     subclass_kept_bytes: int = 0  # tensor subclasses (FP8, DTensor...) are left to autograd
     fetched_bytes: int = 0
+    row_fetches: int = 0  # row ranges read back alone (a layer replayed in sequence tiles)
     prefetched_groups: int = 0
     waited_copies: int = 0  # copies the offloader waited for because offload_max_inflight were pending
     param_refreshes: int = 0  # parameter address sets read (first use and after parameters moved)
@@ -129,6 +131,35 @@ class _Stored:
             self._fetched = ops.record_event(side)
         ops.record_stream(buf, side)
         self._restored = buf
+
+    def get_range(self, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[start, start + nbytes)`` of the storage back on its device, ``[nbytes]`` uint8, alone."""
+        if self._restored is not None or self._read is not None or self._fetched is not None:
+            return self.get()[start:start + nbytes]  # already coming back whole
+        ops = self._off.ops
+        if self._path is not None:
+            if self._write is not None:
+                self._write.result()  # re-raises a failed write (DiskOffloadError)
+            data = read_file(self._path, nbytes, offset=start)  # [nbytes] uint8 host
+            if not self.on_device:
+                return data
+            buf = ops.empty(nbytes, self.device)
+            ops.copy(buf, data)  # on the compute stream
+            return buf
+        # The host pool buffer: copied on the side stream as prefetch does, so that a later forward's
+        # copy into the same pool buffer (also on the side stream) cannot overtake this read.
+        assert self._host is not None and self.on_device
+        compute, side = ops.current(self.device), self._off.side_stream(self.device)
+        buf = ops.empty(nbytes, self.device)
+        ops.wait_stream(side, compute)
+        with ops.use(side):
+            if self._copied is not None:
+                ops.wait_event(side, self._copied)
+            ops.copy(buf, self._host[start:start + nbytes])
+            fetched = ops.record_event(side)
+        ops.record_stream(buf, side)
+        ops.wait_event(compute, fetched)
+        return buf
 
     def get(self) -> torch.Tensor:
         """The storage's bytes back on their device, ``[nbytes]`` uint8."""
@@ -292,7 +323,7 @@ class ActivationOffloader:
         return True  # checkpoint: the wiring opens layer scopes only around checkpointed layers
 
     # -- packer protocol -------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Optional[_View]:
+    def pack(self, t: torch.Tensor, prefetchable: bool = True) -> Optional[_View]:
         if not self._wanted(t):
             return None
         if self.cfg.offload_target == "host" and not self.ops.is_device(t):
@@ -306,7 +337,7 @@ class ActivationOffloader:
             # [storage bytes] uint8 or the tensor alone, contiguous, as [bytes] uint8
             src = (torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage) if whole
                    else t.detach().contiguous().view(-1).view(torch.uint8))
-            stored = self._offload(src)
+            stored = self._offload(src, prefetchable)
             del src  # the offloader keeps no reference to the device copy
             if stored is None:
                 return None
@@ -319,6 +350,26 @@ class ActivationOffloader:
             self.stats.deduplicated_bytes += t.numel() * t.element_size()
             offset, stride = t.storage_offset(), tuple(t.stride())
         return _View(stored, t.dtype, tuple(t.shape), stride, offset)
+
+    def pack_rows(self, t: torch.Tensor) -> Optional[_View]:
+        """:meth:`pack` for a tensor read back a row range at a time (:meth:`unpack_rows`): contiguous,
+        and never prefetched whole (a neighbour layer's unpack would bring it back all at once)."""
+        if not t.is_contiguous() or t.dim() == 0:
+            return None
+        view = self.pack(t, prefetchable=False)
+        if view is not None and view.stride != _contiguous_stride(torch.Size(view.size)):
+            return None  # a storage shared with an earlier, differently laid out tensor
+        return view
+
+    def unpack_rows(self, view: _View, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of the tensor :meth:`pack_rows` packed, read back alone."""
+        row = math.prod(view.size[1:])
+        esize = torch.empty(0, dtype=view.dtype).element_size()
+        start, nbytes = (view.offset + lo * row) * esize, (hi - lo) * row * esize
+        data = view.stored.get_range(start, nbytes)  # [nbytes] uint8
+        self.stats.fetched_bytes += nbytes
+        self.stats.row_fetches += 1
+        return data.view(view.dtype).view(hi - lo, *view.size[1:])
 
     def unpack(self, view: _View) -> torch.Tensor:
         stored = view.stored
@@ -344,7 +395,7 @@ class ActivationOffloader:
             return None
         return stored
 
-    def _offload(self, src: torch.Tensor) -> Optional[_Stored]:
+    def _offload(self, src: torch.Tensor, prefetchable: bool = True) -> Optional[_Stored]:
         """Start moving ``src`` ([n] uint8) off the device; None when the host pool is full."""
         group = (self._microbatch, hooks.current_layer())
         nbytes = src.numel()
@@ -363,7 +414,8 @@ class ActivationOffloader:
             stored.start_to_disk(src, path, host)
         weakref.finalize(stored, _Resources.release, _Resources(
             self.pool if stored.host_from_pool else None, stored.host_buffer, stored.path, stored.write))
-        self._groups.setdefault(group, []).append(weakref.ref(stored))
+        if prefetchable:
+            self._groups.setdefault(group, []).append(weakref.ref(stored))
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_tensors += 1
         return stored

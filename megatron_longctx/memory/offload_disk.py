@@ -213,15 +213,16 @@ def write_file(data: torch.Tensor, path: str) -> None:
         raise disk_error(f"writing {len(view)} bytes to", path, exc) from exc
 
 
-def read_file(path: str, nbytes: int) -> torch.Tensor:
-    """The ``[nbytes]`` uint8 written to ``path``."""
+def read_file(path: str, nbytes: int, offset: int = 0) -> torch.Tensor:
+    """The ``[nbytes]`` uint8 written to ``path`` from byte ``offset`` on."""
     try:
-        data = np.fromfile(path, dtype=np.uint8, count=nbytes)
+        data = np.fromfile(path, dtype=np.uint8, count=nbytes, offset=offset)
     except OSError as exc:
         raise disk_error(f"reading {nbytes} bytes from", path, exc) from exc
     if data.size != nbytes:
-        raise DiskOffloadError(errno.EIO, f"{FLAG}: {path} holds {data.size} of {nbytes} bytes (truncated or removed "
-                                          "while training; another process may share the directory)")
+        raise DiskOffloadError(errno.EIO, f"{FLAG}: {path} holds {data.size} of {nbytes} bytes from byte {offset} "
+                                          "(truncated or removed while training; another process may share the "
+                                          "directory)")
     return torch.from_numpy(data)
 
 

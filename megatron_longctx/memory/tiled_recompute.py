@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -134,14 +135,17 @@ def _rows(value: Any, lo: int, hi: int) -> Any:
     return pytree.tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, value)
 
 
-def _collect(call: _TiledCall, x: torch.Tensor, with_grads: bool) -> _Replay:
+Rows = Callable[[int, int], torch.Tensor]  # rows [lo, hi) of the layer input
+
+
+def _collect(call: _TiledCall, rows: Rows, seq_len: int, with_grads: bool) -> _Replay:
     """Pass 1: every tile's K/V stored by the core attention, then gathered."""
-    replay = _Replay(seq_len=x.shape[0])
+    replay = _Replay(seq_len=seq_len)
     with torch.no_grad(), _active(replay):
-        for lo, hi in tile_bounds(x.shape[0], call.num_tiles):
+        for lo, hi in tile_bounds(seq_len, call.num_tiles):
             replay.lo, replay.hi = lo, hi
             try:
-                call.run_tile(x[lo:hi], lo, hi)
+                call.run_tile(rows(lo, hi), lo, hi)
             except ReplayStop:
                 continue
             raise ValueError("--longctx-recompute-tiles: the layer ran to its end without reaching the plugin's "
@@ -153,7 +157,7 @@ def _collect(call: _TiledCall, x: torch.Tensor, with_grads: bool) -> _Replay:
 
 def _forward(call: _TiledCall, x: torch.Tensor) -> list[torch.Tensor]:
     """Passes 1 and 2 without gradients: the layer's outputs, one tile at a time."""
-    replay = _collect(call, x, with_grads=False)
+    replay = _collect(call, lambda lo, hi: x[lo:hi], x.shape[0], with_grads=False)
     replay.mode = ATTEND
     outs: list[torch.Tensor] = []
     with torch.no_grad(), _active(replay):
@@ -178,16 +182,18 @@ def _accumulate(total: list, grads: tuple) -> None:
             total[i] = g if total[i] is None else total[i].add_(g)
 
 
-def _backward(call: _TiledCall, x: torch.Tensor, params: tuple, grads: tuple) -> tuple:
-    """Passes 1-3 with gradients: (dx, *parameter gradients)."""
-    replay = _collect(call, x, with_grads=True)
-    dx = torch.zeros_like(x)
+def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, grads: tuple) -> tuple:
+    """Passes 1-3 with gradients into ``dx`` (zeros, the layer input's shape): (dx, *parameter gradients).
+
+    ``rows(lo, hi)`` gives the layer input's rows, read again in every pass (an offloaded input comes
+    back one tile at a time)."""
+    replay = _collect(call, rows, dx.shape[0], with_grads=True)
     dparams: list = [None] * len(params)
-    tiles = tile_bounds(x.shape[0], call.num_tiles)
+    tiles = tile_bounds(dx.shape[0], call.num_tiles)
     replay.mode = ATTEND
     for lo, hi in tiles:
         replay.lo, replay.hi = lo, hi
-        x_t = x[lo:hi].detach().requires_grad_(True)
+        x_t = rows(lo, hi).detach().requires_grad_(True)
         with torch.enable_grad(), _active(replay):
             leaves = pytree.tree_leaves(call.run_tile(x_t, lo, hi))
         outs, out_grads = [], []
@@ -205,7 +211,7 @@ def _backward(call: _TiledCall, x: torch.Tensor, params: tuple, grads: tuple) ->
     replay.mode = KV_GRAD
     for lo, hi in tiles:
         replay.lo, replay.hi = lo, hi
-        x_t = x[lo:hi].detach().requires_grad_(True)
+        x_t = rows(lo, hi).detach().requires_grad_(True)
         try:
             with torch.enable_grad(), _active(replay):
                 call.run_tile(x_t, lo, hi)
@@ -221,20 +227,35 @@ def _backward(call: _TiledCall, x: torch.Tensor, params: tuple, grads: tuple) ->
 
 
 class TiledCheckpointFunction(torch.autograd.Function):
-    """Keeps the layer input (``save_for_backward``: an outer offload packer sees it), replays in tiles."""
+    """Keeps the layer input and replays the layer in tiles.
+
+    An offload packer that serves row ranges (:func:`hooks.pack_rows`: the checkpoint offload) takes the
+    input, and backward reads it back one tile at a time, never whole; otherwise it is saved with
+    ``save_for_backward`` (any outer packer sees it as usual).
+    """
 
     @staticmethod
     def forward(ctx, call: _TiledCall, x: torch.Tensor, *params: torch.Tensor):  # type: ignore[override]
         ctx.call, ctx.params = call, params
-        ctx.save_for_backward(x)
+        ctx.rows_item = hooks.pack_rows(x)
+        ctx.input_like = (x.shape, x.dtype, x.device)
+        if ctx.rows_item is None:
+            ctx.save_for_backward(x)
         with hooks.paused():
             return tuple(_forward(call, x.detach()))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        (x,) = ctx.saved_tensors
+        item, ctx.rows_item = ctx.rows_item, None  # the offloaded copy is released with this backward
+        if item is None:
+            x = ctx.saved_tensors[0].detach()
+            rows: Rows = lambda lo, hi: x[lo:hi]  # noqa: E731
+        else:
+            rows = functools.partial(hooks.unpack_rows, item)
+        shape, dtype, device = ctx.input_like
+        dx = torch.zeros(shape, dtype=dtype, device=device)
         with _SwapRng(ctx.call.rng), hooks.paused():
-            dx, *dparams = _backward(ctx.call, x.detach(), ctx.params, grads)
+            dx, *dparams = _backward(ctx.call, rows, dx, ctx.params, grads)
         return (None, dx, *dparams)
 
 

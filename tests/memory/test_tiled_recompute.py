@@ -115,6 +115,31 @@ def test_tiled_checkpoint_of_a_toy_layer_matches_float64_and_keeps_no_input():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_an_offloaded_layer_input_comes_back_one_tile_at_a_time(tmp_path):
+    from megatron_longctx.memory import hooks
+    from megatron_longctx.memory.offload import ActivationOffloader
+
+    torch.manual_seed(2)
+    layer = _ToyLayer()
+    x0 = torch.randn(19, 2, 16, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(19, 2, 16, dtype=torch.float64)
+    y_ref, _ = layer(x0 * 1.5)
+    ref = torch.autograd.grad(y_ref, (x0, *layer.parameters()), dy)
+    off = ActivationOffloader(MemoryConfig(recompute_granularity="full", offload_policy="checkpoint",
+                                           offload_target="disk", offload_min_bytes=0, offload_disk_dir=str(tmp_path)))
+    with hooks.packing(off), hooks.layer_scope(0):
+        y, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, x0 * 1.5)
+    got = torch.autograd.grad(y, (x0, *layer.parameters()), dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for g, want in zip(got, ref):
+        torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+    s = off.stats
+    assert s.offloaded_tensors == 1 and s.offloaded_bytes == x0.numel() * 8
+    # Each of the three passes reads every tile once, and nothing reads the input whole.
+    assert s.row_fetches == 3 * 5 and s.fetched_bytes == 3 * s.offloaded_bytes and s.prefetched_groups == 0
+    off.close()
+
+
 def _plugin_spec(**options):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -158,8 +183,10 @@ def _cp2_cases():
             # The tiled loss runs in the model's float64, Megatron's cross-entropy in float32.
             tol = dict(rtol=1e-5, atol=1e-7) if cfg.tiled_loss_tiles > 1 else dict(rtol=1e-9, atol=1e-11)
             assert_same(ref, got, **tol)
-            if cfg.offload_enabled:
-                assert handle.offloader.stats.offloaded_bytes > 0
+            if cfg.offload_enabled:  # the layer inputs came back one tile at a time, none whole
+                stats = handle.offloader.stats
+                assert stats.offloaded_bytes > 0 and stats.row_fetches > 0 and stats.prefetched_groups == 0
+                assert stats.fetched_bytes == 3 * stats.offloaded_bytes
             handle.remove()
 
 
