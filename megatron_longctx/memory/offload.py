@@ -354,12 +354,9 @@ class ActivationOffloader:
     def pack_rows(self, t: torch.Tensor) -> Optional[_View]:
         """:meth:`pack` for a tensor read back a row range at a time (:meth:`unpack_rows`): contiguous,
         and never prefetched whole (a neighbour layer's unpack would bring it back all at once)."""
-        if not t.is_contiguous() or t.dim() == 0:
+        if not t.is_contiguous() or t.dim() == 0:  # contiguous: row i is elements [i·row, (i+1)·row) from its offset
             return None
-        view = self.pack(t, prefetchable=False)
-        if view is not None and view.stride != _contiguous_stride(torch.Size(view.size)):
-            return None  # a storage shared with an earlier, differently laid out tensor
-        return view
+        return self.pack(t, prefetchable=False)
 
     def unpack_rows(self, view: _View, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of the tensor :meth:`pack_rows` packed, read back alone."""

@@ -57,6 +57,19 @@ def test_disk_rows_come_back_alone_and_the_file_goes_with_the_item(tmp_path):
     off.close()
 
 
+def test_a_transposed_batch_of_one_is_served_by_rows(tmp_path):
+    # Megatron's embedding output: [b=1, s, h] transposed to [s, 1, h], contiguous but for the size-1 stride
+    off = _disk(tmp_path)
+    x = torch.randn(1, 16, 4, dtype=torch.float64).transpose(0, 1)
+    assert x.is_contiguous() and x.stride() != (4, 4, 1)
+    item = _pack(off, x)
+    assert item is not None
+    for lo, hi in TILES:
+        torch.testing.assert_close(hooks.unpack_rows(item, lo, hi), x[lo:hi], rtol=0, atol=0)
+    assert off.stats.fetched_bytes == x.numel() * 8 and off.stats.prefetched_groups == 0
+    off.close()
+
+
 def test_a_truncated_file_is_an_error_naming_the_flag(tmp_path):
     off = _disk(tmp_path)
     x = torch.randn(16, 8, dtype=torch.float64)  # 64 bytes a row
