@@ -15,9 +15,9 @@ query tile can see all keys.  :func:`tiled_checkpoint` replays in three passes, 
    attention again to backpropagate its dK/dV into the tile's input and the parameters.
 
 Forward is passes 1 and 2 without gradients.  Peak memory per token is then the layer's input and
-output gradients, the gathered K/V and dK/dV, and one tile's activations; the layer input too, unless
-the checkpoint offload holds it (:func:`hooks.pack_rows`: each pass reads it back one tile at a time) (FPDT, Yao et al. 2024,
-arXiv:2408.16978, runs a layer in sequence chunks the same way).  Parameter gradients are summed
+output gradients, the gathered K/V and dK/dV, and one tile's activations (FPDT, Yao et al. 2024,
+arXiv:2408.16978, runs a layer in sequence chunks the same way); the layer input too, unless the
+checkpoint offload holds it (:func:`hooks.pack_rows`: each pass reads it back one tile at a time).  Parameter gradients are summed
 over the tiles and returned by one autograd node, so gradient hooks (Megatron's DDP) fire once per
 parameter, as without tiling.
 
