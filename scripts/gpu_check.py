@@ -15,6 +15,11 @@ Sections (each with its own time budget; an error in one is recorded and the nex
   (Megatron's setting for TP/SP overlap, which can serialise the offload side stream);
 * ``gpt_step`` — one training step of a tiny GPTModel with ContextParallelAttention at CP=1 against
   Megatron's own attention;
+* ``tiled_replay`` — full recompute replayed in sequence tiles (``--longctx-recompute-tiles``, all-gather
+  core attention at CP=1), alone and with the checkpoint offload reading each layer input back from the
+  host one tile at a time: float32 loss and gradients against plain full recompute, the offloader's row
+  reads, and one step's peak memory of plain full recompute, the tiled replay, and the tiled replay with
+  the offload;
 * ``max_seq`` — a numerics check of every memory feature against none, then the longest sequence one GPU
   trains for a Llama-3-8B-shaped stack of two layers with every feature on.
 
@@ -45,7 +50,7 @@ sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # this repository, and the secti
 from gpu_check_attention import section_kernels, section_ring  # noqa: E402
 from gpu_check_common import CPU_SIZES, GPU_SIZES, Budget, Sizes, Skip, _time  # noqa: E402
 from gpu_check_gpt import section_gpt_step  # noqa: E402
-from gpu_check_memory import section_max_seq, section_offload  # noqa: E402
+from gpu_check_memory import section_max_seq, section_offload, section_tiled_replay  # noqa: E402
 
 SCHEMA = "gpu_check/2"
 
@@ -102,6 +107,7 @@ SECTIONS: dict[str, tuple[Callable, float]] = {
     "offload": (section_offload, 50),
     "offload_one_connection": (section_offload_one_connection, 45),
     "gpt_step": (section_gpt_step, 30),
+    "tiled_replay": (section_tiled_replay, 30),
     "max_seq": (section_max_seq, 150),
 }
 
@@ -153,6 +159,12 @@ def _summary(name: str, r: dict) -> str:
         return f"grads max rel err {r['grad_max_rel_err']:.1e}; {r.get('note', '')}"
     if name == "gpt_step":
         return f"loss rel err {r['step1']['loss_rel_err']:.1e}, grads {r['step1']['grad_max_rel_err']:.1e}"
+    if name == "tiled_replay":
+        mem = r["memory"]
+        peaks = [mem.get(n, {}).get("step_peak_gib") for n in ("full", "tiled", "tiled_offload")]
+        where = ("peak full/tiled/+offload " + "/".join(f"{p:.2f}" for p in peaks) + " GiB"
+                 if None not in peaks else "no peak (CPU)")
+        return f"float32 rel err {r['numerics_rel_err']:.1e}; {where}; {len(r['problems'])} problems"
     if name == "max_seq":
         return (f"max trained {r['max_trained_seq']:,} tokens (stopped by {r['stopped_by']}); "
                 f"numerics rel err {r['numerics_rel_err']:.1e}")

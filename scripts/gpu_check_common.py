@@ -40,6 +40,9 @@ class Sizes:
     seq_cap: int
     seq_granularity: int
     numerics_seq: int  # sequence of max_seq's numerics check (all features against none)
+    tiled_numerics_seq: int  # tiled_replay's float32 check (on gpt_model)
+    tiled_model: dict  # tiled_replay's peak-memory model: a small vocabulary, so the layers set the peak
+    tiled_memory_seq: int
 
 
 _LLAMA3_8B = dict(num_layers=2, hidden_size=4096, num_attention_heads=32, num_query_groups=8, kv_channels=128,
@@ -53,6 +56,10 @@ GPU_SIZES = Sizes(
                    ffn_hidden_size=512, vocab_size=1024),
     gpt_seq=2048,
     stack=_LLAMA3_8B, seq_start=65536, seq_cap=1 << 23, seq_granularity=16384, numerics_seq=8192,
+    tiled_numerics_seq=4096,  # several key blocks (attention.tiled.KEY_BLOCK) for the last query tiles
+    tiled_model=dict(num_layers=8, hidden_size=1024, num_attention_heads=8, num_query_groups=4, kv_channels=128,
+                     ffn_hidden_size=2816, vocab_size=1024),
+    tiled_memory_seq=32768,
 )
 _TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
              ffn_hidden_size=128, vocab_size=256)
@@ -60,6 +67,7 @@ CPU_SIZES = Sizes(
     kernel_timing_seq=128, ring_tokens=256, ring_sizes=(2, 4, 8), heads=(4, 2, 16),
     offload_model=_TINY, offload_seq=64, gpt_model=_TINY, gpt_seq=64,
     stack=_TINY, seq_start=64, seq_cap=256, seq_granularity=32, numerics_seq=64,
+    tiled_numerics_seq=64, tiled_model=_TINY, tiled_memory_seq=64,
 )
 
 

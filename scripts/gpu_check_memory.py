@@ -1,5 +1,6 @@
-"""gpu_check sections on memory: activation offload wired as ``memory.install`` wires it; the longest
-trainable sequence with every memory feature on, after a numerics check of those features.
+"""gpu_check sections on memory: activation offload wired as ``memory.install`` wires it; full recompute
+replayed in sequence tiles, alone and with its layer inputs offloaded and read back one tile at a time;
+the longest trainable sequence with every memory feature on, after a numerics check of those features.
 """
 
 from __future__ import annotations
@@ -195,3 +196,233 @@ def section_max_seq(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
             "numerics_rel_err": max(numerics["loss_rel_err"], numerics["grad_max_rel_err"]),
             "max_trained_seq": good, "first_failed_seq": bad, "stopped_by": stopped, "trials": trials,
             "status": "ok" if good > 0 and numerics_ok else "failed"}
+
+
+# --------------------------------------------------------------------------------------------------
+# tiled_replay: full recompute replayed in sequence tiles (--longctx-recompute-tiles).
+_NUMERICS_TILES = 5  # tiles of unequal length
+_MEMORY_TILES = 8
+_F32_RTOL, _F32_ATOL = 1e-4, 1e-5  # atol: times the largest |value| of the reference tensor
+
+
+def _replay_configs(device: torch.device, tiles: int) -> dict:
+    """Plain full recompute, its replay in ``tiles`` sequence tiles, and the replay with the layer inputs
+    offloaded by the checkpoint offload (host on a GPU; disk on the CPU, where host offload lowers nothing)."""
+    from megatron_longctx.memory import MemoryConfig
+
+    offload = dict(offload_policy="checkpoint", offload_target="host" if device.type == "cuda" else "disk",
+                   offload_min_bytes=(1 << 16) if device.type == "cuda" else 0)
+    return {"full": MemoryConfig(recompute_granularity="full"),
+            "tiled": MemoryConfig(recompute_granularity="full", recompute_tiles=tiles),
+            "tiled_offload": MemoryConfig(recompute_granularity="full", recompute_tiles=tiles, **offload)}
+
+
+class _AttentionCalls:
+    """Forward pre-hooks on the plugin's core attentions: the replay pass of every call and its query rows."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from megatron_longctx.megatron.core_attention import ContextParallelAttention
+
+        self.modes: set = set()
+        self.max_rows = 0
+        mods = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+        self.modules = len(mods)
+        self._handles = [m.register_forward_pre_hook(self._seen, with_kwargs=True) for m in mods]
+
+    def _seen(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        from megatron_longctx.memory import tiled_recompute
+
+        replay = tiled_recompute.current()
+        self.modes.add("whole" if replay is None else replay.mode)
+        query = args[0] if args else kwargs["query"]  # [s, b, np, hn]
+        self.max_rows = max(self.max_rows, query.shape[0])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _peak_step(model, tokens, pos, device: torch.device) -> dict:
+    """One forward and backward: seconds, the peak allocated during it (``max_memory_allocated`` after a
+    reset) and what was allocated when it began, then the loss and gradients (copied after the peak is read)."""
+    model.zero_grad(set_to_none=True)
+    labels = torch.roll(tokens, -1, dims=1)
+    start = peak = None
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    loss = model(tokens, pos, None, labels=labels).float().mean()
+    loss.backward()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return {"seconds": seconds, "peak_bytes": peak, "start_bytes": start, "result": (loss.detach(), grads)}
+
+
+def _replay_run(shape: dict, seq: int, dtype: torch.dtype, device: torch.device, cfg, tokens, pos,
+                warmup: int = 0) -> dict:
+    """``warmup`` steps and one measured step of a GPTModel with all-gather core attention (CP=1) under ``cfg``."""
+    from megatron_longctx.memory import install
+
+    model, _ = build_gpt(shape, seq, dtype, {"cp_algorithm": "allgather"})
+    model = model.to(device)
+    handle = install(model, cfg)
+    calls = _AttentionCalls(model)
+    try:
+        for _ in range(warmup):
+            _peak_step(model, tokens, pos, device)
+        run = _peak_step(model, tokens, pos, device)
+        stats = None
+        if handle.offloader is not None:
+            handle.offloader.synchronize()
+            stats = dataclasses.asdict(handle.offloader.stats)
+    finally:
+        calls.remove()
+        handle.remove()
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {**run, "steps": warmup + 1, "offloader": stats, "attention_modes": sorted(calls.modes),
+            "attention_modules": calls.modules, "attention_max_rows": calls.max_rows}
+
+
+def _mismatches(ref: tuple, got: tuple) -> list[str]:
+    """``torch.testing.assert_close`` of the loss and every gradient at float32 tolerances; each failure in one line."""
+    (l_ref, g_ref), (l_got, g_got) = ref, got
+    out = []
+    if set(g_ref) != set(g_got):
+        out.append(f"gradient keys differ: {sorted(set(g_ref) ^ set(g_got))}")
+    for name, want in [("loss", l_ref), *g_ref.items()]:
+        have = l_got if name == "loss" else g_got.get(name)
+        if have is None:
+            continue
+        if name != "loss" and not want.abs().sum() > 0:
+            out.append(f"{name}: the reference gradient is zero")
+        try:
+            torch.testing.assert_close(have, want, rtol=_F32_RTOL, atol=_F32_ATOL * want.abs().max().item())
+        except AssertionError as exc:
+            out.append(f"{name}: " + " ".join(line.strip() for line in str(exc).splitlines() if line.strip()))
+    return out
+
+
+def _replay_checks(name: str, run: dict, seq: int, tiles: int, layers: int, input_bytes: int) -> list[str]:
+    """What a run of ``name`` must show: which attention passes ran, and the offloader's row reads."""
+    from megatron_longctx.memory.tiled_recompute import tile_bounds
+
+    problems = []
+    n_tiles = len(tile_bounds(seq, tiles))
+    if run["attention_modules"] != layers:
+        problems.append(f"{name}: {run['attention_modules']} ContextParallelAttention modules, expected {layers}")
+    if name == "full":
+        if run["attention_modes"] != ["whole"]:
+            problems.append(f"full: attention ran in passes {run['attention_modes']}, expected whole-sequence calls")
+    else:
+        if run["attention_modes"] != sorted(["collect", "attend", "kv_grad"]):
+            problems.append(f"{name}: attention ran in passes {run['attention_modes']}, expected collect, attend, "
+                            "kv_grad only")
+        if run["attention_max_rows"] > -(-seq // n_tiles):
+            problems.append(f"{name}: an attention call had {run['attention_max_rows']} query rows, more than a tile")
+    stats = run["offloader"]
+    if name == "tiled_offload":
+        steps = run["steps"]
+        # Each pass reads every tile of every layer input once; nothing reads an input whole or prefetches it.
+        want = {"offloaded_tensors": steps * layers, "offloaded_bytes": steps * layers * input_bytes,
+                "row_fetches": steps * 3 * n_tiles * layers, "fetched_bytes": 3 * stats["offloaded_bytes"],
+                "prefetched_groups": 0, "kept_over_bound_bytes": 0}
+        for key, value in want.items():
+            if stats[key] != value:
+                problems.append(f"tiled_offload: offloader {key} = {stats[key]}, expected {value}")
+        if not stats["row_fetches"] > 0:
+            problems.append("tiled_offload: no layer input was read back by rows")
+    return problems
+
+
+def _replay_numerics(device: torch.device, sizes: Sizes) -> dict:
+    """float32 loss and every parameter gradient of the tiled replay (with and without the offload)
+    against plain full recompute, ``torch.testing.assert_close``."""
+    from megatron_longctx.attention import tiled
+
+    shape, seq = sizes.gpt_model, sizes.tiled_numerics_seq
+    tokens, pos = batch(shape, seq, device)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # float32 matmuls, no TF32: the tolerances are float32's
+    try:
+        runs = {name: _replay_run(shape, seq, torch.float32, device, cfg, tokens, pos)
+                for name, cfg in _replay_configs(device, _NUMERICS_TILES).items()}
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    out: dict[str, Any] = {"shape": shape, "seq": seq, "dtype": "float32", "tiles": _NUMERICS_TILES,
+                           "key_block": tiled.KEY_BLOCK, "rtol": _F32_RTOL, "atol_of_max": _F32_ATOL,
+                           "problems": []}
+    input_bytes = seq * tokens.shape[0] * shape["hidden_size"] * 4  # one layer input [s, b, h], float32
+    for name, run in runs.items():
+        out["problems"] += _replay_checks(name, run, seq, _NUMERICS_TILES, shape["num_layers"], input_bytes)
+        row = {"attention_modes": run["attention_modes"], "attention_max_rows": run["attention_max_rows"],
+               "offloader": run["offloader"]}
+        if name != "full":
+            row.update(compare(runs["full"]["result"], run["result"]))
+            row["mismatches"] = _mismatches(runs["full"]["result"], run["result"])
+            out["problems"] += [f"{name}: {m}" for m in row["mismatches"]]
+        out[name] = row
+    return out
+
+
+def _replay_memory(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
+    """One step's peak memory of the three configurations (after a warm-up step each), in the device dtype,
+    at a sequence where one layer's activations over the whole sequence set plain full recompute's peak."""
+    shape, seq, dtype = sizes.tiled_model, sizes.tiled_memory_seq, dtype_for(device)
+    tokens, pos = batch(shape, seq, device)
+    out: dict[str, Any] = {"shape": shape, "seq": seq, "dtype": str(dtype), "tiles": _MEMORY_TILES, "problems": []}
+    input_bytes = seq * tokens.shape[0] * shape["hidden_size"] * torch.empty(0, dtype=dtype).element_size()
+    ref, last_s = None, 0.0
+    for name, cfg in _replay_configs(device, _MEMORY_TILES).items():
+        if last_s and budget.left() < 3 * last_s:
+            out[name] = {"status": "skipped", "reason": "time budget"}
+            out["problems"].append(f"{name}: not measured (time budget)")
+            continue
+        t0 = time.monotonic()
+        run = _replay_run(shape, seq, dtype, device, cfg, tokens, pos, warmup=1)
+        last_s = time.monotonic() - t0
+        out["problems"] += _replay_checks(name, run, seq, _MEMORY_TILES, shape["num_layers"], input_bytes)
+        row: dict[str, Any] = {"step_s": run["seconds"], "attention_modes": run["attention_modes"],
+                               "offloader": run["offloader"]}
+        if run["peak_bytes"] is not None:
+            row.update(peak_gib=run["peak_bytes"] / 2**30,
+                       step_peak_gib=(run["peak_bytes"] - run["start_bytes"]) / 2**30)
+        if ref is None:
+            ref = run["result"]
+        else:  # informational: the same comparison in the device dtype (bf16 on a GPU)
+            row.update(compare(ref, run["result"]))
+        out[name] = row
+    if device.type == "cuda" and all("step_peak_gib" in out.get(n, {}) for n in ("full", "tiled", "tiled_offload")):
+        full, tiled_, offl = (out[n]["step_peak_gib"] for n in ("full", "tiled", "tiled_offload"))
+        out.update(tiled_peak_reduction=1 - tiled_ / full, offload_peak_reduction=1 - offl / tiled_)
+        if not tiled_ < 0.9 * full:
+            out["problems"].append(f"tiled replay peak {tiled_:.3f} GiB is not below 0.9 x full recompute's {full:.3f}")
+        if not offl < 0.9 * tiled_:
+            out["problems"].append(f"tiled replay + host offload peak {offl:.3f} GiB is not below 0.9 x the tiled "
+                                   f"replay's {tiled_:.3f}")
+    elif device.type != "cuda":
+        out["note"] = "CPU: disk target (host offload cannot lower CPU memory); no peak here"
+    return out
+
+
+def section_tiled_replay(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
+    """Full recompute replayed in sequence tiles (``--longctx-recompute-tiles``, all-gather core attention at
+    CP=1), alone and with the checkpoint offload handing each tile's layer input back (host: a row range
+    of the pinned pool buffer copied on the side stream): float32 loss and gradients against plain full
+    recompute, which attention passes ran, the offloader's row reads, and one step's peak memory of each."""
+    require_megatron()
+    with single_rank_megatron(device):
+        numerics = _replay_numerics(device, sizes)
+        memory = _replay_memory(device, sizes, budget)
+    errs = [numerics[n][k] for n in ("tiled", "tiled_offload") for k in ("loss_rel_err", "grad_max_rel_err")]
+    problems = numerics["problems"] + memory["problems"]
+    return {"numerics": numerics, "memory": memory, "numerics_rel_err": max(errs), "problems": problems,
+            "status": "ok" if not problems else "failed"}

@@ -15,7 +15,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
-SECTIONS = ["environment", "kernels", "ring", "offload", "offload_one_connection", "gpt_step", "max_seq"]
+SECTIONS = ["environment", "kernels", "ring", "offload", "offload_one_connection", "gpt_step", "tiled_replay",
+            "max_seq"]
 
 
 def _run(*args: str, timeout: float = 900, **env_extra: str) -> subprocess.CompletedProcess:
@@ -84,6 +85,24 @@ def test_dry_run_on_cpu_runs_every_section(tmp_path):
         assert gpt["status"] == "ok" and "ContextParallelAttention" in gpt["longctx_core_attention"]
         assert "DotProductAttention" in gpt["megatron_core_attention"]
         assert gpt["step2"]["grad_max_rel_err"] <= 1e-4
+    tiled = sections["tiled_replay"]
+    if tiled["status"] == "skipped":
+        assert "megatron-core" in tiled["reason"]
+    else:
+        # float32 loss and gradients of the replay in tiles against plain full recompute, with and without
+        # the checkpoint offload; each pass read every tile of every offloaded layer input once, none whole.
+        assert tiled["status"] == "ok" and tiled["problems"] == [], tiled["problems"]
+        numerics = tiled["numerics"]
+        for name in ("tiled", "tiled_offload"):
+            assert numerics[name]["mismatches"] == [] and numerics[name]["grad_keys_differ"] == []
+            assert numerics[name]["grad_max_rel_err"] < 1e-5
+        for part in (numerics, tiled["memory"]):
+            assert part["full"]["attention_modes"] == ["whole"]
+            assert part["tiled"]["attention_modes"] == part["tiled_offload"]["attention_modes"] == [
+                "attend", "collect", "kv_grad"]
+            stats = part["tiled_offload"]["offloader"]
+            assert stats["row_fetches"] > 0 and stats["prefetched_groups"] == 0
+            assert stats["fetched_bytes"] == 3 * stats["offloaded_bytes"] > 0
     max_seq = sections["max_seq"]
     if max_seq["status"] == "skipped":
         assert "megatron-core" in max_seq["reason"]
