@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--offload", choices=("none", "checkpoint", "layers"), default=None)
     c.add_argument("--tiled-mlp-tiles", type=_integer("--tiled-mlp-tiles"), default=None)
     c.add_argument("--tiled-loss-tiles", type=_integer("--tiled-loss-tiles"), default=None)
+    c.add_argument("--recompute-tiles", type=_integer("--recompute-tiles"), default=None,
+                   help="replay full recompute's layers in this many sequence tiles (--longctx-recompute-tiles; "
+                        "1 = off; needs TP 1, CP 1 or --cp-comm-type all_gather, a dense model)")
     c.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=None)
     j = p.add_argument_group("Megatron options of the job")
     j.add_argument("--main-grads-dtype", choices=GRAD_DTYPES, default="fp32")
@@ -161,7 +164,8 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
 def constraints_from_args(args: argparse.Namespace) -> Constraints:
     return Constraints(tp=args.tp, cp=args.cp, pp=args.pp, cp_comm_type=args.cp_comm_type, recompute=args.recompute,
                        offload=args.offload, tiled_mlp_tiles=args.tiled_mlp_tiles,
-                       tiled_loss_tiles=args.tiled_loss_tiles, optimizer_offload=args.optimizer_offload,
+                       tiled_loss_tiles=args.tiled_loss_tiles, recompute_tiles=args.recompute_tiles,
+                       optimizer_offload=args.optimizer_offload,
                        global_batch_size=args.global_batch_size, main_grads_dtype=args.main_grads_dtype,
                        fsdp=args.megatron_fsdp, fp8=args.fp8, attention_backend=args.attention_backend,
                        dataloader_mask=args.create_attention_mask_in_dataloader,

@@ -42,6 +42,8 @@ def longctx_options(plan: Plan) -> dict[str, Any]:
         out.update(recompute_granularity="full", offload_policy="checkpoint")
     elif opt.offload == "layers":
         out.update(offload_policy="layers", offload_num_layers=0)
+    if opt.recompute_tiles > 1:  # the plugin runs the full recompute it replays in tiles (all-gather CP above)
+        out.update(recompute_granularity="full", recompute_tiles=opt.recompute_tiles)
     if opt.offload != "none":  # every micro-batch in flight on the first pipeline stage
         activation_host = plan.memory.activation_host * plan.parallel.in_flight
         out["offload_host_pool_bytes"] = int(math.ceil(activation_host * HOST_POOL_MARGIN / GIB)) * GIB
@@ -124,7 +126,7 @@ def megatron_flags(plan: Plan) -> list[str]:
         argv += ["--fp8-format", "hybrid"]
     if not opt.dataloader_mask:  # the plugin's attention is causal by itself: no dense [s, s] mask
         argv.append("--no-create-attention-mask-in-dataloader")
-    if par.tp > 1:
+    if par.tp > 1 and opt.sequence_parallel:
         argv.append("--sequence-parallel")
     if par.cp > 1:
         argv += ["--cp-comm-type", par.cp_comm_type]
@@ -132,7 +134,8 @@ def megatron_flags(plan: Plan) -> list[str]:
             argv += ["--hierarchical-context-parallel-sizes", par.ulysses_size, par.cp // par.ulysses_size]
     if par.ep > 1:
         argv += ["--expert-model-parallel-size", par.ep]
-    if opt.recompute == "full" or opt.offload == "checkpoint":  # checkpoint offload rides on full recompute
+    # Checkpoint offload and the tiled replay ride on full recompute (the plugin then runs it).
+    if opt.recompute == "full" or opt.offload == "checkpoint":
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     elif opt.recompute == "selective":
         argv += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]

@@ -6,6 +6,12 @@ largest transient of one layer: the recompute/backward working set, the attentio
 buffers, fp32 dQ, the FlashAttention-2 GQA dK/dV expansion), the sequence-parallel all-gather of the
 layer input under TP, or the logits of the loss; plus Megatron's dense dataloader mask when it is on,
 and a fixed reserve (CUDA context, NCCL buffers, allocator slack).  PP = 1 is one stage that is both.
+
+Full recompute replayed in ``N`` sequence tiles (``--longctx-recompute-tiles``,
+:mod:`megatron_longctx.memory.tiled_recompute`) holds in backward the layer's input and output
+gradients, one tile's share of the recompute working set, and as attention workspace the whole
+sequence's K/V with their fp32 gradient sums (at every CP size); an offloaded layer input comes back
+one tile at a time.
 """
 
 from __future__ import annotations
@@ -14,10 +20,13 @@ import dataclasses
 from dataclasses import field
 
 from .efficiency import GQA_EXPANDING_BACKENDS
-from .model import GIB, LayerActivations, MemoryOptions, ModelShape, Parallel, layer_activations
+from .model import GIB, LayerActivations, MemoryOptions, ModelShape, Parallel, check_recompute_tiles, layer_activations
 from .states import model_states
 
 RESERVED_GIB = 3.0
+# Keys per kernel call of a tile's attention (megatron_longctx.attention.tiled.KEY_BLOCK): FlashAttention-2's
+# GQA dK/dV expansion holds at most this many keys under a tiled replay.
+REPLAY_KEY_BLOCK = 2048
 # Megatron's GPTDataset builds the mask as float32 ``torch.tril(ones(s, s))`` and compares it into a
 # bool one: 5 bytes per element on the host while a sample is made, 1 byte per element on the GPU.
 MASK_HOST_BYTES_PER_ELEMENT = 5
@@ -31,8 +40,8 @@ class MemoryBreakdown:
     grads: float
     optimizer: float
     activations: float  # saved for backward across the stage's layers and in-flight micro-batches
-    working: float  # one layer's recompute/backward working set (full recompute or tiled MLP)
-    attention_workspace: float  # CP buffers, gathered K/V, fp32 dq accumulators, FA2's GQA dK/dV
+    working: float  # one layer's recompute/backward working set (full recompute, its tiled replay, tiled MLP)
+    attention_workspace: float  # CP buffers, gathered K/V (+ dK/dV), fp32 dq accumulators, FA2's GQA dK/dV
     sp_gather: float  # sequence parallel: the all-gathered layer input [s/cp, b, h] under TP
     logits: float  # logits + fp32 softmax of the loss (divided by loss tiles)
     dataloader_mask: float  # Megatron's dense [b, 1, s, s] bool mask on the GPU (0 when off)
@@ -95,6 +104,8 @@ def fa2_gqa_bytes(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions) -> f
         return 0.0
     n = par.micro_batch * s / par.cp
     keys = n * par.cp if par.cp_comm_type == "all_gather" else n
+    if opt.recompute_tiles > 1:  # a tile's attention calls take at most REPLAY_KEY_BLOCK keys each
+        keys = par.micro_batch * min(REPLAY_KEY_BLOCK, s)
     return keys * m.q_heads / par.tp * (m.d_qk + m.d_v) * opt.bytes_per_element
 
 
@@ -116,6 +127,24 @@ def attention_workspace_bytes(m: ModelShape, s: int, par: Parallel, e: int) -> f
     return dq + 2 * n * (hq * (m.d_qk + m.d_v)) * e + kv * (2 * e + 2 * 4) / max(u, 1)
 
 
+def replay_workspace_bytes(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions) -> float:
+    """Transient attention bytes of a layer replayed in ``opt.recompute_tiles`` sequence tiles (backward).
+
+    Pass 2 holds the whole sequence's K/V (gathered over CP; this rank's at CP = 1) in the activation
+    dtype, their gradient sums in fp32 and one tile's fp32 dq (+ lse/delta).  At CP > 1 the reduce-scatter
+    of pass 3 frees K/V first and then fills a send buffer as large as the fp32 dK/dV.
+    """
+    e, tiles = opt.bytes_per_element, opt.recompute_tiles
+    n = par.micro_batch * s / par.cp
+    hq, hkv = m.q_heads / par.tp, max(m.kv_heads / par.tp, 1)
+    kv_all = par.cp * n * hkv * (m.d_qk + m.d_v)  # elements of the whole sequence's K and V
+    dq = n / tiles * hq * (m.d_qk * 4 + 4)
+    attend = kv_all * (e + 4) + dq
+    if par.cp == 1:
+        return attend
+    return max(attend, kv_all * 2 * 4)
+
+
 def _stage_activations(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, layers: int,
                        ) -> tuple[float, float, float, LayerActivations]:
     """(saved bytes of one micro-batch over ``layers`` layers, working set, host bytes per micro-batch, layer)."""
@@ -130,16 +159,19 @@ def _stage_activations(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions,
     saved = (layers - n_moe) * saved_per_layer(m, s, par, opt)
     if n_moe:
         saved += n_moe * saved_per_layer(m, s, par, opt, moe_layer=True)
-    if opt.recompute == "full":  # one layer recomputed during backward (TiledMLP: one tile of its MLP)
-        working = largest.total - (largest.mlp if tiles > 1 else 0.0) + mlp_tile
-    else:
-        working = mlp_tile  # backward holds the gradients of the MLP intermediates (one tile's worth)
     n = par.micro_batch * s / par.cp
     sp = par.tp if opt.sequence_parallel else 1
     layer_input = n * m.hidden_size * e / sp
+    replay_tiles = opt.recompute_tiles
+    if opt.recompute == "full":  # one layer recomputed during backward (TiledMLP: one tile of its MLP)
+        working = largest.total - (largest.mlp if tiles > 1 else 0.0) + mlp_tile
+        if replay_tiles > 1:  # replayed one sequence tile at a time: the layer's input and output gradients
+            working = 2 * layer_input + working / replay_tiles
+    else:
+        working = mlp_tile  # backward holds the gradients of the MLP intermediates (one tile's worth)
     host = 0.0
-    if opt.offload == "checkpoint":
-        host, saved = saved, 2 * layer_input  # one being written, one prefetched
+    if opt.offload == "checkpoint":  # one being written, one prefetched (a tiled replay reads one tile back)
+        host, saved = saved, layer_input + layer_input / replay_tiles
     elif opt.offload == "layers":
         host, saved = saved, 2 * saved / layers
     return saved, working, host, largest
@@ -155,6 +187,7 @@ def memory_breakdown(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, *
 def _stage_memory(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, stage: str,
                   reserved_gib: float) -> MemoryBreakdown:
     e = opt.bytes_per_element
+    check_recompute_tiles(m, par, opt)
     states = model_states(m, par, opt, stage)
     layers = -(-m.num_layers // par.pp)
     saved, working, act_host, largest = _stage_activations(m, s, par, opt, layers)
@@ -170,7 +203,10 @@ def _stage_memory(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, stag
         activations = in_flight * saved + final
     logits = n * m.vocab_size / par.tp * (2 * e + 4) / opt.tiled_loss_tiles if last else 0.0
     sp_gather = n * m.hidden_size * e if par.tp > 1 and opt.sequence_parallel else 0.0
-    workspace = attention_workspace_bytes(m, s, par, e) + fa2_gqa_bytes(m, s, par, opt)
+    if opt.recompute_tiles > 1:
+        workspace = replay_workspace_bytes(m, s, par, opt) + fa2_gqa_bytes(m, s, par, opt)
+    else:
+        workspace = attention_workspace_bytes(m, s, par, e) + fa2_gqa_bytes(m, s, par, opt)
     mask = par.micro_batch * float(s) * s if opt.dataloader_mask else 0.0
     host = in_flight * act_host + states.host
     if opt.dataloader_mask:

@@ -184,6 +184,7 @@ class MemoryOptions:
     offload: str = "none"  # none | checkpoint (layer inputs under full recompute) | layers (all saved tensors)
     tiled_mlp_tiles: int = 1
     tiled_loss_tiles: int = 1
+    recompute_tiles: int = 1  # full recompute replayed in this many sequence tiles (--longctx-recompute-tiles)
     optimizer_offload: bool = False  # Megatron's --optimizer-cpu-offload: master weights + Adam moments on host
     bytes_per_element: int = 2
     attention_dropout: float = 0.0
@@ -219,6 +220,30 @@ class MemoryOptions:
             raise ValueError("offload='checkpoint' moves the inputs that full recompute keeps; set recompute='full'")
         if self.tiled_mlp_tiles < 1 or self.tiled_loss_tiles < 1:
             raise ValueError("tiled_mlp_tiles and tiled_loss_tiles must be >= 1 (1 = off)")
+        if isinstance(self.recompute_tiles, bool) or not isinstance(self.recompute_tiles, int) \
+                or self.recompute_tiles < 1:
+            raise ValueError(f"--recompute-tiles {self.recompute_tiles!r}: give an integer >= 1 (1 = off)")
+        if self.recompute_tiles > 1:
+            self._check_recompute_tiles()
+
+    def _check_recompute_tiles(self) -> None:
+        """What a layer replayed in sequence tiles refuses (megatron_longctx.memory.tiled_recompute)."""
+        n = self.recompute_tiles
+        if self.recompute != "full":
+            raise ValueError(f"--recompute-tiles {n} replays the layers of full recompute in tiles, but recompute="
+                             f"{self.recompute!r}: add --recompute full (Megatron's --recompute-granularity full), "
+                             "or set --recompute-tiles 1")
+        if self.attention_dropout > 0 or self.hidden_dropout > 0:
+            raise ValueError(f"--recompute-tiles {n}: dropout would draw other masks per tile; set "
+                             "--attention-dropout 0 and --hidden-dropout 0, or set --recompute-tiles 1")
+        if self.attention_impl != "flash":
+            raise ValueError(f"--recompute-tiles {n}: the tiles attend through megatron_longctx's core attention, "
+                             f"not Megatron's {self.attention_impl!r} one; use attention_impl='flash', or set "
+                             "--recompute-tiles 1")
+        if self.attention_backend == "te_cudnn":
+            raise ValueError(f"--recompute-tiles {n}: te_cudnn is Megatron's own TE attention, which cannot attend "
+                             "one tile over gathered K/V; choose another --attention-backend, or set "
+                             "--recompute-tiles 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +320,29 @@ def layer_activations(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, 
         mlp = n * act * e / t
     masks = n * 2 * h * opt.dropout_mask_bytes / sp if opt.hidden_dropout > 0 else 0.0
     return LayerActivations(norms, attn, scores, mlp, masks)
+
+
+def check_recompute_tiles(m: ModelShape, par: Parallel, opt: MemoryOptions) -> None:
+    """The parallel layout and model that a layer replay in sequence tiles refuses (``ValueError``).
+
+    The refusals of ``megatron_longctx.megatron.args._check_recompute_tiles`` and
+    ``memory_spec._check_tiled_replay``: CP > 1 needs the all-gather algorithm (K/V gathered once per
+    layer); sequence parallelism (TP > 1) and MoE layers are not cut per tile.
+    """
+    n = opt.recompute_tiles
+    if n <= 1:
+        return
+    if par.cp > 1 and par.cp_comm_type != "all_gather":
+        raise ValueError(f"--recompute-tiles {n}: a layer replayed in tiles gathers K/V once over the CP group, "
+                         f"but --cp-comm-type is {par.cp_comm_type!r}: use --cp-comm-type all_gather "
+                         "(--longctx-cp-algorithm allgather), or set --recompute-tiles 1")
+    if par.tp > 1 and opt.sequence_parallel:
+        raise ValueError(f"--recompute-tiles {n}: with sequence parallelism each rank's hidden states are a slice "
+                         "of the sequence the layer gathers itself; drop --sequence-parallel "
+                         "(sequence_parallel=False), use --tp 1, or set --recompute-tiles 1")
+    if m.num_experts is not None:
+        raise ValueError(f"--recompute-tiles {n}: MoE layers route tokens over the whole sequence, not per tile; "
+                         "set --recompute-tiles 1 for a model with --num-experts")
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, heads: int, tp: int = 1, flash: bool = True) -> float:

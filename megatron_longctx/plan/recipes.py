@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--seq-length",
                  "--micro-batch-size", "--global-batch-size", "--tensor-model-parallel-size",
-                 "--context-parallel-size", "--longctx-tiled-mlp-tiles", "--longctx-tiled-loss-tiles"):
+                 "--context-parallel-size", "--longctx-tiled-mlp-tiles", "--longctx-tiled-loss-tiles",
+                 "--longctx-recompute-tiles"):
         p.add_argument(flag, type=int, default=None)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-query-groups", type=int, default=None)
@@ -58,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("--cp-comm-type", "--recompute-granularity",
                  "--longctx-offload-policy", "--longctx-cp-kernel-backend", "--main-grads-dtype", "--fp8-format"):
         p.add_argument(flag, default=None)
-    for flag in ("--optimizer-cpu-offload", "--use-megatron-fsdp"):
+    for flag in ("--optimizer-cpu-offload", "--use-megatron-fsdp", "--sequence-parallel"):
         p.add_argument(flag, action="store_true")
     p.add_argument("--no-create-attention-mask-in-dataloader", dest="mask", action="store_false", default=True)
     return p
@@ -88,6 +89,8 @@ def recipe_plan(text: str) -> Plan:
     opt = MemoryOptions(recompute="full" if full else "none", offload=offload,
                         tiled_mlp_tiles=args.longctx_tiled_mlp_tiles or 1,
                         tiled_loss_tiles=args.longctx_tiled_loss_tiles or 1,
+                        recompute_tiles=args.longctx_recompute_tiles or 1,
+                        sequence_parallel=args.sequence_parallel or tp == 1,  # SP means nothing at TP 1
                         optimizer_offload=args.optimizer_cpu_offload, main_grads_dtype=args.main_grads_dtype or "fp32",
                         fsdp=args.use_megatron_fsdp, fp8=args.fp8_format is not None, attention_backend=backend,
                         dataloader_mask=args.mask)

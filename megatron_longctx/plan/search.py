@@ -6,7 +6,10 @@ wins, except that a plan within 3% of it that leaves 10% of the usable memory fr
 Ties (tiling under full recompute costs no time) go to the fewest memory features, then the smaller peak.
 Pipeline parallelism is not searched (PP = 1 unless ``--pp`` fixes it): at long context the 1F1B bubble
 (p − 1)/m of the few micro-batches per step costs more than CP's communication.  Tile counts come from
-the tokens per GPU (≤ 8K tokens per loss tile, ≤ 32K or ≤ 8K per MLP tile).
+the tokens per GPU (≤ 8K tokens per loss tile, ≤ 32K or ≤ 8K per MLP tile, ≤ 32K or ≤ 8K per tile of a
+layer replayed in tiles; the MLP tiles then cut one replayed tile).  The layer replay in tiles is tried
+where the plugin runs it: full recompute, CP 1 or the all-gather algorithm, TP 1 (it refuses sequence
+parallelism, which the searched TP > 1 layouts use), a dense model, the plugin's attention.
 :func:`fastest_fitting` is the search; :func:`megatron_longctx.plan.recommend.recommend` adds, when
 nothing fits, what :mod:`.advice` says about why and what would.
 """
@@ -28,6 +31,7 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 MEMORY_MODES = (("none", "none"), ("none", "layers"), ("full", "none"), ("full", "checkpoint"))
 LOSS_TOKENS_PER_TILE = (8192, 2048)  # tokens per GPU per loss tile (the logits of 8K tokens: ~8 GiB at 128K vocab)
 MLP_TOKENS_PER_TILE = (32768, 8192)
+REPLAY_TOKENS_PER_TILE = (32768, 8192)  # tokens per GPU per tile of a layer replayed in tiles
 MEMORY_MARGIN = 0.95  # share of the card the allocator can be expected to hand out
 HOST_MARGIN = 0.9
 THROUGHPUT_TOLERANCE = 0.03
@@ -50,6 +54,7 @@ class Constraints:
     offload: Optional[str] = None
     tiled_mlp_tiles: Optional[int] = None
     tiled_loss_tiles: Optional[int] = None
+    recompute_tiles: Optional[int] = None
     optimizer_offload: Optional[bool] = None
     global_batch_size: Optional[int] = None
     # Settings of the job, not searched:
@@ -66,14 +71,23 @@ class Constraints:
         if self.offload == "checkpoint" and self.recompute not in (None, "full"):
             raise ValueError("--offload checkpoint moves the layer inputs that full recompute keeps; "
                              "add --recompute full, or use --offload layers")
-        for name in ("tp", "cp", "pp", "tiled_mlp_tiles", "tiled_loss_tiles", "global_batch_size"):
+        for name in ("tp", "cp", "pp", "tiled_mlp_tiles", "tiled_loss_tiles", "recompute_tiles",
+                     "global_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {value}: give an integer >= 1")
         if self.model_state_offload and self.optimizer_offload is False:
             raise ValueError("--model-state-offload keeps the optimizer on the host: drop --no-optimizer-offload")
+        tiles = self.recompute_tiles or 1
+        if tiles > 1 and self.recompute not in (None, "full"):
+            raise ValueError(f"--recompute-tiles {tiles} replays the layers of full recompute in tiles: add "
+                             "--recompute full, or drop --recompute-tiles")
+        if tiles > 1 and self.cp_comm_type not in (None, "all_gather") and self.cp not in (None, 1):
+            raise ValueError(f"--recompute-tiles {tiles} gathers K/V once per layer over CP: add --cp-comm-type "
+                             "all_gather (or --cp 1), or drop --recompute-tiles")
         MemoryOptions(main_grads_dtype=self.main_grads_dtype, attention_backend=self.attention_backend,
-                      fsdp=self.fsdp)  # validates the job's settings
+                      fsdp=self.fsdp, recompute="full" if tiles > 1 else "none",
+                      recompute_tiles=tiles)  # validates the job's settings
 
     def fixed(self) -> dict:
         """The searched choices the user fixed (name -> value)."""
@@ -82,7 +96,7 @@ class Constraints:
 
 
 _SEARCHED = ("tp", "cp", "pp", "cp_comm_type", "recompute", "offload", "tiled_mlp_tiles", "tiled_loss_tiles",
-             "optimizer_offload")
+             "recompute_tiles", "optimizer_offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,11 +221,26 @@ def tile_choices(tokens_per_gpu: float, per_tile: tuple[int, ...]) -> tuple[int,
     return tuple(sorted({1, *(_pow2_at_least(tokens_per_gpu / t) for t in per_tile)}))
 
 
-def _memory_options(c: Constraints, tokens_per_gpu: float) -> list[MemoryOptions]:
-    """The memory settings to try: the searched grids, narrowed to the user's fixed choices."""
+def replay_allowed(m: ModelShape, par: Parallel, c: Constraints) -> bool:
+    """Whether the layers of full recompute can be replayed in sequence tiles for this layout and job.
+
+    What :func:`.model.check_recompute_tiles` and the plugin refuse: CP > 1 without all-gather, TP > 1
+    (the searched layouts run sequence parallelism), MoE, Megatron's own TE attention (te_cudnn).
+    """
+    return ((par.cp == 1 or par.cp_comm_type == "all_gather") and par.tp == 1 and m.num_experts is None
+            and c.attention_backend != "te_cudnn")
+
+
+def _memory_options(c: Constraints, tokens_per_gpu: float, replay: bool = False) -> list[MemoryOptions]:
+    """The memory settings to try: the searched grids, narrowed to the user's fixed choices.
+
+    ``replay``: the layout allows full recompute in sequence tiles (:func:`replay_allowed`)."""
     modes = [(r, o) for r, o in MEMORY_MODES
              if (c.recompute is None or r == c.recompute) and (c.offload is None or o == c.offload)]
-    mlp = tile_choices(tokens_per_gpu, MLP_TOKENS_PER_TILE) if c.tiled_mlp_tiles is None else (c.tiled_mlp_tiles,)
+    if c.recompute_tiles is not None:
+        replays: tuple[int, ...] = (c.recompute_tiles,)
+    else:
+        replays = tile_choices(tokens_per_gpu, REPLAY_TOKENS_PER_TILE) if replay else (1,)
     loss = tile_choices(tokens_per_gpu, LOSS_TOKENS_PER_TILE) if c.tiled_loss_tiles is None else (c.tiled_loss_tiles,)
     if c.model_state_offload:
         opt_off: tuple[bool, ...] = (True,)
@@ -219,9 +248,17 @@ def _memory_options(c: Constraints, tokens_per_gpu: float) -> list[MemoryOptions
         opt_off = (False, True) if c.optimizer_offload is None else (c.optimizer_offload,)
     job = dict(main_grads_dtype=c.main_grads_dtype, fsdp=c.fsdp, fp8=c.fp8, attention_backend=c.attention_backend,
                dataloader_mask=c.dataloader_mask, model_state_offload=c.model_state_offload)
-    return [MemoryOptions(recompute=r, offload=o, tiled_mlp_tiles=t_mlp, tiled_loss_tiles=t_loss,
-                          optimizer_offload=oo, **job)
-            for (r, o), t_mlp, t_loss, oo in itertools.product(modes, mlp, loss, opt_off)]
+    out = []
+    for (r, o), t_replay in itertools.product(modes, replays):
+        if t_replay > 1 and (r != "full" or not replay):
+            continue
+        # Under a tiled replay the MLP sees one replayed tile: its tiles are sized for that.
+        mlp = ((c.tiled_mlp_tiles,) if c.tiled_mlp_tiles is not None
+               else tile_choices(tokens_per_gpu / t_replay, MLP_TOKENS_PER_TILE))
+        out += [MemoryOptions(recompute=r, offload=o, tiled_mlp_tiles=t_mlp, tiled_loss_tiles=t_loss,
+                              recompute_tiles=t_replay, optimizer_offload=oo, **job)
+                for t_mlp, t_loss, oo in itertools.product(mlp, loss, opt_off)]
+    return out
 
 
 def all_plans(m: ModelShape, seq_length: int, num_gpus: int, hw: Hardware, constraints: Constraints = Constraints(),
@@ -231,7 +268,10 @@ def all_plans(m: ModelShape, seq_length: int, num_gpus: int, hw: Hardware, const
         raise ValueError(f"--seq-length {seq_length} and --num-gpus {num_gpus} must be positive")
     plans = []
     for par in _parallel_layouts(m, seq_length, num_gpus, hw, constraints, micro_batch):
-        for opt in _memory_options(constraints, par.micro_batch * seq_length / par.cp):
+        replay = replay_allowed(m, par, constraints)
+        if (constraints.recompute_tiles or 1) > 1 and not replay:
+            continue
+        for opt in _memory_options(constraints, par.micro_batch * seq_length / par.cp, replay):
             plans.append(evaluate(m, seq_length, num_gpus, hw, par, opt, eff))
     return plans
 
@@ -264,18 +304,21 @@ def fastest_fitting(m: ModelShape, seq_length: int, num_gpus: int, hw: Hardware,
     if not plans:
         gbs = (f", --global-batch-size {constraints.global_batch_size} must be a multiple of "
                f"--micro-batch-size × DP" if constraints.global_batch_size else "")
+        replay = ("; --recompute-tiles needs TP 1 (the plan runs sequence parallelism at TP > 1), CP 1 or "
+                  "--cp-comm-type all_gather, a dense model and the plugin's attention (not te_cudnn)"
+                  if (constraints.recompute_tiles or 1) > 1 else "")
         raise PlanInfeasible(
             f"no parallel layout of {num_gpus} GPUs is valid for {m.name} at --seq-length {seq_length} with the "
             f"fixed choices {_fixed(constraints)}: TP must divide the heads ({m.q_heads}) and fit a node "
             f"({hw.gpus_per_node} GPUs), --pp must divide the GPUs and the layers, CP must divide the GPUs left "
-            f"and seq_length/(2·CP) must be whole{gbs}")
+            f"and seq_length/(2·CP) must be whole{gbs}{replay}")
     return best_fitting(plans), plans
 
 
 def features(opt: MemoryOptions) -> int:
-    """How many memory features a configuration turns on (recompute, offloads, MLP tiling, loss tiling)."""
+    """How many memory features a configuration turns on (recompute, offloads, MLP / loss / replay tiling)."""
     return ((opt.recompute != "none") + (opt.offload != "none") + (opt.tiled_mlp_tiles > 1)
-            + (opt.tiled_loss_tiles > 1) + opt.optimizer_offload)
+            + (opt.tiled_loss_tiles > 1) + (opt.recompute_tiles > 1) + opt.optimizer_offload)
 
 
 def _fixed(c: Constraints) -> str:
@@ -283,14 +326,17 @@ def _fixed(c: Constraints) -> str:
 
 
 def describe(plan: Plan) -> str:
-    """One line: ``TP2 CP4 (p2p) DP1, recompute full, offload checkpoint, MLP tiles 4, loss tiles 8``."""
+    """One line: ``TP2 CP4 (p2p) DP1, recompute full, offload checkpoint, MLP tiles 4, loss tiles 8``
+    (``, recompute tiles N`` when the replay runs in tiles)."""
     par, opt = plan.parallel, plan.options
     comm = par.cp_comm_type + (f" {par.ulysses_size}x{par.cp // par.ulysses_size}" if par.cp_comm_type == "a2a+p2p" else "")
     text = f"TP{par.tp} CP{par.cp} ({comm})" + (f" PP{par.pp}" if par.pp > 1 else "") + f" DP{par.dp}"
     if par.ep > 1:
         text += f" EP{par.ep}"
     text += (f", recompute {opt.recompute}, offload {opt.offload}, MLP tiles {opt.tiled_mlp_tiles}, "
-             f"loss tiles {opt.tiled_loss_tiles}" + (", optimizer on host" if opt.optimizer_offload else ""))
+             f"loss tiles {opt.tiled_loss_tiles}" + (f", recompute tiles {opt.recompute_tiles}"
+                                                      if opt.recompute_tiles > 1 else "")
+             + (", optimizer on host" if opt.optimizer_offload else ""))
     if opt.model_state_offload:
         text += ", model states on host"
     return text

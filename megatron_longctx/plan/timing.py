@@ -10,6 +10,13 @@ hides its transfers while each step's block compute is longer than the block's t
 tokens per GPU c ≥ (F/B)·(hkv/hq)·e/k (k = 1 causal zigzag, 2 full).  Pipeline parallelism runs 1F1B
 (Narayanan et al. arXiv:2104.04473): a step of m micro-batches takes (m + p − 1) stage times, the
 bubble (p − 1)/m of the useful time.
+
+All-gather CP moves K/V as the plugin's all-gather attention does: gathered in forward, gathered
+again in backward (not kept), dK/dV reduce-scattered; full recompute gathers once more in its replay.
+Full recompute in ``N`` sequence tiles (``--longctx-recompute-tiles``) reruns each tile's input norm
+and Q/K/V projection (+ RoPE) in its K/V-collect pass, in forward and in backward, and in backward's
+K/V-gradient pass, which also backpropagates dK/dV through that projection again: 5 projection
+forwards' worth of GEMM FLOPs per layer more than plain full recompute, and one gather fewer.
 """
 
 from __future__ import annotations
@@ -18,11 +25,16 @@ import dataclasses
 from typing import Optional
 
 from .flops import attention_hidden, model_flops
-from .model import MemoryOptions, ModelShape, Parallel, param_counts
+from .model import MemoryOptions, ModelShape, Parallel, check_recompute_tiles, param_counts
 from .states import stage_params
 
 OFFLOAD_CONTENTION = 0.05  # share of a hidden device<->host copy that still slows compute
-TILE_OVERHEAD_S = 1e-4  # per tile and pass of tiled MLP / tiled loss
+TILE_OVERHEAD_S = 1e-4  # per tile and pass of tiled MLP / tiled loss / tiled replay
+# A layer replayed in sequence tiles: passes over the tiles (forward: collect K/V, attend; backward:
+# collect, attend + backward, K/V gradients), and the extra Q/K/V-projection forwards' worth of GEMM
+# FLOPs (collect in forward and backward, the K/V-gradient pass's forward and its dgrad + wgrad).
+REPLAY_PASSES = 5
+REPLAY_QKV_FORWARDS = 5
 HOST_ADAM_PARAMS_PER_S = 1e9  # CPU Adam throughput available to one GPU's optimizer shard
 FAMILIES = ("hopper", "blackwell", "ampere")
 
@@ -118,8 +130,13 @@ def _cp_link(par: Parallel, hw: Hardware) -> float:
     return (hw.inter_node_gbps if inter else hw.intra_node_gbps) * 1e9 * hw.link_efficiency
 
 
-def cp_times(m: ModelShape, s: int, par: Parallel, hw: Hardware, attn_fwd_s: float, e: int) -> tuple[float, float]:
-    """(attention seconds incl. overlapped transfers, exposed CP communication) for one layer fwd+bwd."""
+def cp_times(m: ModelShape, s: int, par: Parallel, hw: Hardware, attn_fwd_s: float, e: int,
+             kv_gathers: int = 2) -> tuple[float, float]:
+    """(attention seconds incl. overlapped transfers, exposed CP communication) for one layer fwd+bwd.
+
+    ``kv_gathers``: all-gathers of K/V per layer under all-gather CP (2: forward and backward; plain
+    full recompute's replay adds one), each with the one reduce-scatter of dK/dV exposed.
+    """
     attn_bwd_s = attn_fwd_s * 2.5
     p, b = par.cp, par.micro_batch
     if p == 1:
@@ -133,7 +150,7 @@ def cp_times(m: ModelShape, s: int, par: Parallel, hw: Hardware, attn_fwd_s: flo
         return attn_fwd_s + attn_bwd_s, exposed
     if par.cp_comm_type == "all_gather":
         fwd = ring_bytes(b, s, hkv, m.d_qk, m.d_v, p, e) / _cp_link(par, hw)
-        return attn_fwd_s + attn_bwd_s, 2 * fwd + 2 * lat  # gather K/V, reduce-scatter dK/dV
+        return attn_fwd_s + attn_bwd_s, (kv_gathers + 1) * (fwd + lat)  # gathers of K/V, reduce-scatter dK/dV
     if par.cp_comm_type == "a2a":
         a2a = ulysses_bytes(b, s, hq, max(hkv, p), max(m.d_qk, m.d_v), p, e) / _cp_link(par, hw)
         return attn_fwd_s + attn_bwd_s, 2 * a2a + 8 * lat
@@ -179,26 +196,35 @@ def step_time(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, hw: Hard
     rate = _matmul_rate(hw, opt, matmul_eff)
 
     replay = opt.recompute == "full"
+    replay_tiles = opt.recompute_tiles  # > 1: the replay runs one sequence tile at a time
+    check_recompute_tiles(m, par, opt)
     mlp_share = (pc.moe_active if m.num_experts else pc.dense_mlp) / layer_params
     extra_mlp = 0.0 if replay or opt.tiled_mlp_tiles == 1 else mm_fwd_layer * mlp_share  # TiledMLP replay
     extra_loss = logits_fwd if opt.tiled_loss_tiles > 1 else 0.0
     mm_flops = m.num_layers * (3 * mm_fwd_layer + (mm_fwd_layer if replay else extra_mlp)) + 3 * logits_fwd
     mm_flops += extra_loss
+    if replay_tiles > 1:  # the Q/K/V projections before core attention, rerun per pass
+        qkv_params = pc.attention - m.q_heads * m.d_v * m.hidden_size  # all but the output projection
+        mm_flops += m.num_layers * REPLAY_QKV_FORWARDS * 2 * n * qkv_params / t
     matmul_s = mm_flops / rate
-    if opt.tiled_mlp_tiles > 1:  # smaller GEMMs and a launch per tile, forward and backward
-        matmul_s += m.num_layers * 2 * opt.tiled_mlp_tiles * TILE_OVERHEAD_S
+    if opt.tiled_mlp_tiles > 1:  # smaller GEMMs and a launch per tile, forward and backward (per replayed tile)
+        matmul_s += m.num_layers * 2 * opt.tiled_mlp_tiles * replay_tiles * TILE_OVERHEAD_S
     if opt.tiled_loss_tiles > 1:
         matmul_s += 2 * opt.tiled_loss_tiles * TILE_OVERHEAD_S
+    if replay_tiles > 1:
+        matmul_s += m.num_layers * REPLAY_PASSES * replay_tiles * TILE_OVERHEAD_S
 
     attn_fwd_s = attn_fwd_layer / (hw.flops * attention_eff)
-    attn_s, cp_exposed = cp_times(m, s, par, hw, attn_fwd_s, e)
+    kv_gathers = 3 if replay and replay_tiles == 1 else 2
+    attn_s, cp_exposed = cp_times(m, s, par, hw, attn_fwd_s, e, kv_gathers)
     attention_s = m.num_layers * (attn_s + (attn_fwd_s if replay else 0.0))
     cp_s = m.num_layers * cp_exposed
 
     tp_s = 0.0
     if t > 1:  # sequence parallel: 2 all-gathers + 2 reduce-scatters forward; backward ≈ 1.5× that
         unit = (t - 1) / t * n * m.hidden_size * e / (hw.intra_node_gbps * 1e9 * hw.link_efficiency)
-        tp_s = m.num_layers * unit * (10 + (4 if replay else 0))
+        # A tiled replay's K/V-gradient pass all-reduces the projection's input gradient once more.
+        tp_s = m.num_layers * unit * (10 + (4 if replay else 0) + (2 if replay_tiles > 1 else 0))
 
     # Everything above is one micro-batch through the whole model; a GPU runs 1/pp of it per micro-batch.
     stage_s = (matmul_s + attention_s + cp_s + tp_s) / pp

@@ -152,7 +152,7 @@ def test_model_state_offload_keeps_two_blocks_on_the_gpu():
 
 def test_infeasible_answer_names_the_dominant_term_and_a_change():
     with pytest.raises(PlanInfeasible) as info:
-        recommend(LLAMA8, 1 << 20, 1, H200)
+        recommend(LLAMA8, 2 << 20, 1, H200)
     text = str(info.value)
     assert "the largest part is" in text and "Megatron keeps on the GPU" in text
     assert "Smallest change that fits: " in text and "--host-memory-gib-per-gpu" not in text
