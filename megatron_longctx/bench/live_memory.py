@@ -142,10 +142,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seq-lengths", default="2048,4096")
     p.add_argument("--preset", default="llama", choices=sorted(regression.PRESETS))
     p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (as the benchmark's --bf16)")
     p.add_argument("--out", default=None, help="JSON file to write")
     p.add_argument("--top", type=int, default=12, help="labels printed per configuration")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    shape_args = regression.build_parser().parse_args(["--preset", args.preset])
+    shape_args = regression.build_parser().parse_args(["--preset", args.preset] + ["--bf16"] * args.bf16)
     shape = regression.model_shape(shape_args)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     seqs = [int(s) for s in args.seq_lengths.split(",")]

@@ -69,11 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
                  "vocab-size"):
         p.add_argument(f"--{flag}", type=int, default=None, help="override the preset's value")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 mixed precision as Megatron's --bf16 (bf16 weights and activations, fp32 main grads, "
+                        "master weights and Adam) for every configuration; the default budget grows by the 2 bytes "
+                        "per parameter of the bf16 weights kept beside the fp32 master copy")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank memory budget of the max-sequence search (default on CPU: 160 for the llama "
-                        "preset, 64 for tiny; 80%% of the GPU)")
+                        "preset, 64 for tiny, each + 2 bytes per parameter with --bf16; 80%% of the GPU)")
     p.add_argument("--max-seq-configs", default=",".join(MAX_SEQ_DEFAULT),
                    help="configurations searched for max sequence (the headline is the best plugin one over the "
                         "strongest baseline one)")
@@ -232,12 +236,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
                 records.append({"config": name, "seq_length": seq,
                                 "status": f"failed: sweep job exit {rc}: {_tail(output)}"})
     result["sweep"] = records
-    report.annotate(result["sweep"], [REFERENCE, "megatron-flash"], FLASH_RECOMPUTE)
+    report.annotate(result["sweep"], [REFERENCE, "megatron-flash"], FLASH_RECOMPUTE, bf16=shape["bf16"])
     log(f"sweep done in {time.perf_counter() - start:.0f} s")
     if not args.skip_max_seq:
         wanted = [n.strip() for n in args.max_seq_configs.split(",") if n.strip()]
         searched = [n for n in wanted if n in runnable]
-        budget = int((args.budget_mib or _default_budget_mib(args.preset)) * 2**20)
+        budget = int((args.budget_mib or _default_budget_mib(args.preset, shape)) * 2**20)
         log(f"max trainable sequence under {budget / 2**20:.0f} MiB/rank: {', '.join(searched)}")
         result["max_seq"] = _max_seq(args, base_task, searched, budget, log)
         roles = {c["name"]: c["role"] for c in result["configs"]}
@@ -298,15 +302,31 @@ def model_shape(args: argparse.Namespace) -> dict[str, Any]:
             shape[key] = getattr(args, key)
     shape["vocab_size"] = max(shape["vocab_size"] or 0, padded_vocab_size(ByteTokenizer()))
     shape["dropout"] = 0.0
+    shape["bf16"] = bool(getattr(args, "bf16", False))
     return shape
 
 
-def _default_budget_mib(preset: str) -> float:
+def parameter_count(shape: dict[str, Any]) -> int:
+    """Parameters of the benchmark GPT: embedding and untied output layer, per layer Q/K/V, projection, MLP
+    (SwiGLU's fc1 holds gate and up), two norms (and the linear biases when on), and the final norm."""
+    h, f, v = shape["hidden_size"], shape["ffn_hidden_size"], shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_query_groups"]
+    fc1 = 2 * f if shape["swiglu"] else f
+    norm = h if shape["normalization"] == "RMSNorm" else 2 * h
+    biases = (h + 2 * kv) + h + fc1 + h if shape["add_bias_linear"] else 0
+    layer = h * (h + 2 * kv) + h * h + h * fc1 + f * h + 2 * norm + biases
+    return 2 * v * h + shape["num_layers"] * layer + norm
+
+
+def _default_budget_mib(preset: str, shape: dict[str, Any]) -> float:
+    """The preset's per-rank budget; under bf16 the same room for activations as in float32: + 2 bytes per
+    parameter (the bf16 weights beside the fp32 master copy; main grads and Adam are fp32 in both)."""
     import torch
 
     if torch.cuda.is_available():
         return 0.8 * torch.cuda.get_device_properties(0).total_memory / 2**20
-    return PRESETS[preset]["budget_mib"]
+    extra = 2 * parameter_count(shape) / 2**20 if shape.get("bf16") else 0.0
+    return PRESETS[preset]["budget_mib"] + extra
 
 
 # Numeric flags and their lowest allowed value (inclusive); the resolution is a fraction below 1.

@@ -10,6 +10,9 @@ from typing import Any, Optional
 SCHEMA = "megatron-longctx-bench/1"
 LOSS_RTOL = 1e-3  # float32: different attention split and reduction order, a few Adam steps
 GRAD_NORM_RTOL = 1e-3
+# bf16 (8 significant bits, relative step 2^-8 = 3.9e-3): the same differences, rounded in bf16
+BF16_LOSS_RTOL = 1e-2
+BF16_GRAD_NORM_RTOL = 3e-2
 
 
 def _rel(a: float, b: float) -> float:
@@ -21,13 +24,16 @@ def step_cost(point: dict[str, Any]) -> float:
     return point.get("cpu_s_per_step") or point["step_time_s"]
 
 
-def annotate(sweep: list[dict[str, Any]], baseline: str | list[str], time_reference: Optional[str] = None) -> None:
+def annotate(sweep: list[dict[str, Any]], baseline: str | list[str], time_reference: Optional[str] = None,
+             bf16: bool = False) -> None:
     """Add ratios to, and loss / grad-norm parity with, the baseline at the same sequence length (in place).
 
     ``baseline``: a name, or names in order of preference (the first measured at a length is that
     length's reference, named in ``parity_reference``).  ``time_reference`` (optional): also
-    ``time_ratio_vs_<name>`` against that configuration.
+    ``time_ratio_vs_<name>`` against that configuration.  ``bf16``: the run's precision, whose
+    tolerances (:data:`BF16_LOSS_RTOL`) decide parity.
     """
+    loss_rtol, norm_rtol = (BF16_LOSS_RTOL, BF16_GRAD_NORM_RTOL) if bf16 else (LOSS_RTOL, GRAD_NORM_RTOL)
     names = [baseline] if isinstance(baseline, str) else list(baseline)
     base: dict[int, dict[str, Any]] = {}
     for name in reversed(names):
@@ -51,8 +57,8 @@ def annotate(sweep: list[dict[str, Any]], baseline: str | list[str], time_refere
         n = min(len(point["losses"]), len(ref["losses"]))
         point["loss_max_rel_diff"] = max(_rel(a, b) for a, b in zip(point["losses"][:n], ref["losses"][:n]))
         point["grad_norm_max_rel_diff"] = max(_rel(a, b) for a, b in zip(point["grad_norms"][:n], ref["grad_norms"][:n]))
-        point["parity_ok"] = bool(point["loss_max_rel_diff"] <= LOSS_RTOL
-                                  and point["grad_norm_max_rel_diff"] <= GRAD_NORM_RTOL)
+        point["parity_ok"] = bool(point["loss_max_rel_diff"] <= loss_rtol
+                                  and point["grad_norm_max_rel_diff"] <= norm_rtol)
 
 
 def write_json(result: dict[str, Any], path: str) -> None:
@@ -82,7 +88,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"Model ({meta.get('preset', 'custom')}): {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
              f"{shape['num_attention_heads']} heads ({shape['num_query_groups']} KV groups), ffn "
              f"{shape['ffn_hidden_size']}{' SwiGLU' if shape.get('swiglu') else ''}, "
-             f"{shape.get('normalization', 'LayerNorm')}, vocabulary {shape['vocab_size']}; median of "
+             f"{shape.get('normalization', 'LayerNorm')}, vocabulary {shape['vocab_size']}, "
+             f"{'bf16 mixed precision' if shape.get('bf16') else 'float32'}; median of "
              f"{meta['steps']} timed steps after {meta['warmup']} warm-up; time = the slowest rank's CPU-seconds "
              f"per step; ratios against rows of the same run (load average {meta.get('loadavg', '?')}); ref = "
              "megatron-unfused, or megatron-flash where the unfused scores would not fit.", "",

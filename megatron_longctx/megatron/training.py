@@ -53,6 +53,7 @@ class GPTShape:
     swiglu: bool = False  # gated SiLU MLP (Llama): fc1 is [2·ffn, h]
     normalization: str = "LayerNorm"  # or "RMSNorm"
     add_bias_linear: bool = True  # Llama has no linear biases
+    bf16: bool = False  # Megatron's --bf16: bf16 weights and activations; fp32 main grads, master weights, Adam
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
@@ -249,7 +250,7 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self._reseed(0)
         self.config = self._transformer_config()
-        self.model = self._build_model()
+        self.model = self._build_model()  # the GPTModel (inside Float16Module under bf16)
         self.memory_handle = self._install_memory()
         self.ddp = self._wrap_ddp()
         self.optimizer = self._build_optimizer()
@@ -272,7 +273,8 @@ class Trainer:
             num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
             num_query_groups=s.num_query_groups, ffn_hidden_size=s.ffn_hidden_size,
             hidden_dropout=s.dropout, attention_dropout=s.dropout, context_parallel_size=v.context_parallel_size,
-            use_cpu_initialization=True, params_dtype=torch.float32, **extra,
+            use_cpu_initialization=True, params_dtype=torch.bfloat16 if s.bf16 else torch.float32, bf16=s.bf16,
+            **extra,
         )
 
     def layer_spec(self) -> Any:
@@ -312,7 +314,12 @@ class Trainer:
     def _wrap_ddp(self) -> Any:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-        ddp = DistributedDataParallel(self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), self.model)
+        module = self.model
+        if self.shape.bf16:  # as Megatron's get_model: casts the inputs, and the outputs back to float32
+            from megatron.core.transformer.module import Float16Module
+
+            module = Float16Module(self.config, self.model)
+        ddp = DistributedDataParallel(self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
         self.config.no_sync_func = ddp.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         return ddp
@@ -322,7 +329,8 @@ class Trainer:
 
         o = self.optim_cfg
         cfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                              adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=False, fp16=False)
+                              adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=self.shape.bf16,
+                              fp16=False)
         return get_megatron_optimizer(cfg, [self.ddp])
 
     # ------------------------------------------------------------------ one step
