@@ -40,23 +40,41 @@ class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        # Two [..., h] buffers of its own at most, xhat and g (the weight gradient's product dies before g
-        # is made; products with xhat or the weight promote a low-precision dy without a copy of it):
-        # the rest is done in place in them.  dy may be shared with other consumers: never written.
-        xhat = x.to(acc) * rstd  # [..., h]
-        dw = None
-        if weight is not None:
-            if ctx.needs_input_grad[1]:
-                dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)  # [h]
-            g = dy * weight.to(acc)  # [..., h] in acc
-        else:
-            g = dy.to(acc, copy=True)  # [..., h]
-        # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat)); the row dot product as a batched
-        # [1, h] @ [h, 1] matmul makes no [..., h] product
-        mean = torch.matmul(g.unsqueeze(-2), xhat.unsqueeze(-1)).squeeze(-1).div_(x.shape[-1])  # [..., 1]
-        dx = g.sub_(xhat.mul_(mean)).mul_(rstd)  # [..., h], in g's buffer
-        return dx.to(x.dtype), dw, None
+        h = x.shape[-1]
+        x2, dy2, rstd2 = x.reshape(-1, h), dy.reshape(-1, h), rstd.reshape(-1, 1)  # [n, h], [n, h], [n, 1]
+        dx = torch.empty_like(x2)  # [n, h] in x's dtype
+        want_dw = weight is not None and ctx.needs_input_grad[1]
+        dw = torch.zeros(h, dtype=rstd.dtype, device=x.device) if want_dw else None  # [h] in acc
+        for lo in range(0, x2.shape[0], BACKWARD_ROWS):
+            hi = min(lo + BACKWARD_ROWS, x2.shape[0])
+            _rows_backward(x2[lo:hi], dy2[lo:hi], rstd2[lo:hi], weight, dx[lo:hi], dw)
+        return dx.view(x.shape), None if dw is None else dw.to(weight.dtype), None
+
+
+# Rows (tokens) per step of the backward: its float32 buffers are [rows, h], not [tokens, h].
+BACKWARD_ROWS = 1024
+
+
+def _rows_backward(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor, weight: Optional[torch.Tensor],
+                   dx: torch.Tensor, dw: Optional[torch.Tensor]) -> None:
+    """``dx`` (written) and ``dw`` (accumulated) of rows ``x`` ``[r, h]``; two ``[r, h]`` buffers of its own.
+
+    xhat and g, the rest in place in them (the weight gradient's product dies before g is made; products
+    with xhat or the weight promote a low-precision dy without a copy of it).  dy may be shared with
+    other consumers: never written.
+    """
+    acc = rstd.dtype
+    xhat = x.to(acc) * rstd  # [r, h]
+    if weight is not None:
+        if dw is not None:
+            dw.add_((dy * xhat).sum(0))  # [h]
+        g = dy * weight.to(acc)  # [r, h] in acc
+    else:
+        g = dy.to(acc, copy=True)  # [r, h]
+    # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat)); the row dot product as a batched
+    # [1, h] @ [h, 1] matmul makes no [r, h] product
+    mean = torch.matmul(g.unsqueeze(-2), xhat.unsqueeze(-1)).squeeze(-1).div_(x.shape[-1])  # [r, 1]
+    dx.copy_(g.sub_(xhat.mul_(mean)).mul_(rstd))  # [r, h]
 
 
 def lean_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:

@@ -91,10 +91,9 @@ def tiled_loss_forward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.
         loss[start:end] = lse[start:end] - picked
         # the tile's backward while its logits are here: D = softmax - onehot, in the same buffer
         grad_logits = _softmax_minus_onehot(logits.div_(sum_exp.unsqueeze(-1)), target[start:end], v_start)
-        grad_logits = grad_logits.to(hidden.dtype)  # [t, b, V/tp]
-        torch.matmul(grad_logits, weight, out=d_hidden[start:end])  # [t, b, h]
-        d_weight.addmm_(grad_logits.reshape(-1, v_local).t().to(d_weight.dtype),
-                        h.reshape(-1, h.shape[-1]).to(d_weight.dtype))  # [V/tp, h], accumulated in float32
+        # D @ W in the hidden dtype (a low-precision copy of D, gone before D^T h); D^T h from the float32 D
+        torch.matmul(grad_logits.to(hidden.dtype), weight, out=d_hidden[start:end])  # [t, b, h]
+        d_weight.addmm_(grad_logits.reshape(-1, v_local).t(), h.reshape(-1, h.shape[-1]).to(d_weight.dtype))
         del logits, grad_logits  # this tile's [t, b, V/tp] buffer is gone before the next one is made
     return loss, lse, d_hidden, d_weight
 

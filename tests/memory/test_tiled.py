@@ -156,6 +156,34 @@ def test_tiled_loss_holds_one_logits_tile_at_a_time():
     assert_same(exact, (loss.detach(), {"hidden": x.grad, "weight": w.grad}))
 
 
+def test_tiled_loss_in_bf16_holds_a_float32_tile_and_its_bf16_copy():
+    """bf16 hidden and weight: logits, D and D^T h in float32; D^T h is made from the float32 D (no second
+    float32 copy of a tile), D @ W from a bf16 copy of it."""
+    from megatron_longctx.bench.live_memory import LiveTensors
+    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+
+    g = torch.Generator().manual_seed(3)
+    s, b, h, vocab, tiles = 64, 1, 8, 4096, 4
+    hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+    weight = torch.randn(vocab, h, dtype=torch.float64, generator=g) / 4
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    x, w = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    tile = s // tiles * b * vocab * 4  # one [s/tiles, b, V] float32 logits tile
+    with LiveTensors() as live:
+        held = (x.view_as(x), w.view_as(w))
+        start = live.peak = live.live
+        loss = tiled_logits_loss(x, w, labels, None, tiles)
+        forward_peak = live.peak - start
+        del held
+    kept = vocab * h * 4 + s * b * h * 2  # D^T h [V, h] float32 and D @ W [s, b, h] bf16
+    assert forward_peak <= kept + tile + tile // 2 + tile // 8, (forward_peak, kept, tile)
+    loss.sum().backward()
+    exact = _float64_oracle(x.detach().double(), w.detach().double(), labels, torch.ones(b, s, dtype=torch.float64))
+    torch.testing.assert_close(loss.double(), exact[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad.double(), exact[1]["hidden"], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad.double(), exact[1]["weight"], rtol=2e-2, atol=2e-2)
+
+
 def _gpt_tiled_matches_plain():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
