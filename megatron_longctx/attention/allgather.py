@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .args import AttentionArgs
-from .comm import all_gather, pack, reduce_scatter, unpack
+from .comm import all_gather, pack, reduce_scatter
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .schedule import allgather_calls
 from .segments import GradSum, attend_segments, attend_segments_backward, new_accumulators
@@ -34,16 +34,17 @@ def scatter_kv_grads(grads: list, group: dist.ProcessGroup, index, local_shapes)
     """The gathered ``grads`` ``[dk_all, dv_all]`` (``[b, P*t, h_kv, d]``, natural order) summed over the
     ranks into this rank's ``[b, t, h_kv, d]`` shares, shaped ``local_shapes``.
 
-    The list is consumed: each gradient is moved into the one send buffer and dropped before the next.
+    The list is consumed, one gradient at a time: its rank-ordered copy is the send buffer of its own
+    reduce-scatter, and it is dropped before the copy is sent, so at most one gradient, its send buffer
+    and the next gradient are alive (not both gradients and a send buffer for both).
     """
     p = dist.get_world_size(group)
-    sizes = [g[:, : g.shape[1] // p].numel() for g in grads]
-    per_rank = grads[0].new_empty(p, sum(sizes))  # [P, numel(k) + numel(v)], row j = rank j's shard
-    offset = 0
-    for n in sizes:
-        per_rank[:, offset:offset + n] = to_ranks(grads.pop(0), p, index).flatten(1)
-        offset += n
-    return unpack(reduce_scatter(per_rank, group), local_shapes)
+    out = []
+    for shape in local_shapes:
+        send = to_ranks(grads.pop(0), p, index).view(p, -1)  # [P, numel of one rank's share]
+        out.append(reduce_scatter(send, group).view(shape))
+        del send
+    return out
 
 
 def allgather_forward(
