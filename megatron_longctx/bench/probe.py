@@ -123,8 +123,13 @@ def run_task(task: dict[str, Any]) -> list[dict[str, Any]]:
     prefix = data_mod.ensure_stdlib_dataset(task["data_dir"], max(4 << 20, 2 * needed), tokenizer)
     # One short untimed, unbudgeted point first: lazy initialisation (BLAS scratch, autograd and gloo
     # threads, Megatron's global buffers) then belongs to no measured point.
-    measure_point(dict(task, budget_bytes=None, warmup=0, steps=1), task["configs"][0],
-                  WARMUP_TOKENS_PER_RANK * task["cp"], prefix)
+    warm = _safe_point(dict(task, budget_bytes=None, warmup=0, steps=1), task["configs"][0],
+                       WARMUP_TOKENS_PER_RANK * task["cp"], prefix)
+    if warm["status"] != "ok":  # the whole run refused (e.g. --bf16 where Megatron cannot): every point says so
+        records = [dict(warm, config=name, seq_length=seq) for name in task["configs"] for seq in task["seq_lengths"]]
+        if dist.get_rank() == 0:
+            _write(task["out"], records)
+        return records
     if task.get("search"):
         from megatron_longctx.bench.maxseq import run_in_job
 

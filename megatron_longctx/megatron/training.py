@@ -246,15 +246,19 @@ class Trainer:
         self.shape, self.variant, self.optim_cfg, self.seed = shape, variant, optim, seed
         self.global_batch, self.num_microbatches = global_batch, global_batch // self.dp
         parallel_state.initialize_model_parallel(context_parallel_size=cp)
-        self.cp_group = parallel_state.get_context_parallel_group()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self._reseed(0)
-        self.config = self._transformer_config()
-        self.model = self._build_model()  # the GPTModel (inside Float16Module under bf16)
-        self.memory_handle = self._install_memory()
-        self.ddp = self._wrap_ddp()
-        self.optimizer = self._build_optimizer()
-        materialize_optimizer_state(self.optimizer)
+        try:
+            self.cp_group = parallel_state.get_context_parallel_group()
+            self.dp_rank = parallel_state.get_data_parallel_rank()
+            self._reseed(0)
+            self.config = self._transformer_config()
+            self.model = self._build_model()  # the GPTModel (inside Float16Module under bf16)
+            self.memory_handle = self._install_memory()
+            self.ddp = self._wrap_ddp()
+            self.optimizer = self._build_optimizer()
+            materialize_optimizer_state(self.optimizer)
+        except BaseException:  # a refused configuration leaves the process as it found it
+            parallel_state.destroy_model_parallel()
+            raise
 
     # ------------------------------------------------------------------ construction
     def _transformer_config(self) -> Any:
@@ -331,7 +335,14 @@ class Trainer:
         cfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                               adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=self.shape.bf16,
                               fp16=False)
-        return get_megatron_optimizer(cfg, [self.ddp])
+        try:
+            return get_megatron_optimizer(cfg, [self.ddp])
+        except TypeError as exc:  # older megatron-core: its Float16 optimizer checks for torch.cuda tensors
+            if self.shape.bf16 and "torch.cuda" in str(exc):
+                raise ValueError(f"--bf16: this megatron-core's mixed-precision optimizer takes CUDA parameters "
+                                 f"only ({str(exc).splitlines()[0][:160]}); run --bf16 on a GPU, or on the CPU with "
+                                 "a megatron-core whose optimizer takes CPU bf16 parameters (0.19.2 does)") from exc
+            raise
 
     # ------------------------------------------------------------------ one step
     def _reseed(self, step: int) -> None:
