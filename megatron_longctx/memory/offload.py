@@ -120,17 +120,23 @@ class _Stored:
             self._read = self._off.submit_io(_read_after, self._write, self._path, self.nbytes)
             return
         assert self._host is not None and self.on_device
+        self._restored, self._fetched = self._from_host(self._host)
+
+    def _from_host(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``host`` bytes (of the pool buffer) copied to a compute-stream buffer on the side stream: (buffer,
+        event of the copy).  A later forward's copy into the same pool buffer, also on the side stream,
+        cannot overtake it."""
         ops, side = self._off.ops, self._off.side_stream(self.device)
         compute = ops.current(self.device)
-        buf = ops.empty(self.nbytes, self.device)  # [nbytes] uint8, a compute-stream allocation
+        buf = ops.empty(host.numel(), self.device)  # [nbytes] uint8, a compute-stream allocation
         ops.wait_stream(side, compute)  # the block may have just been freed by compute-stream work
         with ops.use(side):
             if self._copied is not None:
                 ops.wait_event(side, self._copied)
-            ops.copy(buf, self._host)
-            self._fetched = ops.record_event(side)
+            ops.copy(buf, host)
+            fetched = ops.record_event(side)
         ops.record_stream(buf, side)
-        self._restored = buf
+        return buf, fetched
 
     def get_range(self, start: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[start, start + nbytes)`` of the storage back on its device, ``[nbytes]`` uint8, alone."""
@@ -138,27 +144,15 @@ class _Stored:
             return self.get()[start:start + nbytes]  # already coming back whole
         ops = self._off.ops
         if self._path is not None:
-            if self._write is not None:
-                self._write.result()  # re-raises a failed write (DiskOffloadError)
-            data = read_file(self._path, nbytes, offset=start)  # [nbytes] uint8 host
+            data = _read_after(self._write, self._path, nbytes, start)  # [nbytes] uint8 host
             if not self.on_device:
                 return data
             buf = ops.empty(nbytes, self.device)
             ops.copy(buf, data)  # on the compute stream
             return buf
-        # The host pool buffer: copied on the side stream as prefetch does, so that a later forward's
-        # copy into the same pool buffer (also on the side stream) cannot overtake this read.
         assert self._host is not None and self.on_device
-        compute, side = ops.current(self.device), self._off.side_stream(self.device)
-        buf = ops.empty(nbytes, self.device)
-        ops.wait_stream(side, compute)
-        with ops.use(side):
-            if self._copied is not None:
-                ops.wait_event(side, self._copied)
-            ops.copy(buf, self._host[start:start + nbytes])
-            fetched = ops.record_event(side)
-        ops.record_stream(buf, side)
-        ops.wait_event(compute, fetched)
+        buf, fetched = self._from_host(self._host[start:start + nbytes])
+        ops.wait_event(ops.current(self.device), fetched)
         return buf
 
     def get(self) -> torch.Tensor:
@@ -210,10 +204,10 @@ def _write_staged(off: "ActivationOffloader", event: Any, staging: torch.Tensor,
         off.pool.give(staging)
 
 
-def _read_after(write: Optional[cf.Future], path: str, nbytes: int) -> torch.Tensor:
+def _read_after(write: Optional[cf.Future], path: str, nbytes: int, offset: int = 0) -> torch.Tensor:
     if write is not None:
         write.result()  # re-raises a failed write (DiskOffloadError)
-    return read_file(path, nbytes)
+    return read_file(path, nbytes, offset)
 
 
 @dataclasses.dataclass(frozen=True)
