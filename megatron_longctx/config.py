@@ -206,6 +206,12 @@ class MemoryConfig:
         default=0,
         metadata={"help": "compute output logits and cross-entropy over this many sequence tiles (0 or 1 = off)"},
     )
+    tiled_loss_recompute: bool = field(
+        default=False,
+        metadata={"help": "tiled loss: recompute each tile's logits in backward (4 matmuls per tile, not 3) instead "
+                          "of running the tile's backward inside forward; nothing hidden- or vocabulary-sized is "
+                          "held from forward to backward but the hidden states"},
+    )
     lean_norm: bool = field(
         default=False,
         metadata={"help": "RMSNorm keeps only its input and 1/rms for backward, as fused norms do "
@@ -230,8 +236,9 @@ class MemoryConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise flag_error(name, f"got {value!r}; give an integer >= 0")
-        if not isinstance(self.lean_norm, bool):
-            raise flag_error("lean_norm", f"got {self.lean_norm!r}; give true or false")
+        for name in ("lean_norm", "tiled_loss_recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise flag_error(name, f"got {getattr(self, name)!r}; give true or false")
         if not isinstance(self.offload_max_inflight, int) or self.offload_max_inflight < 1:
             raise flag_error("offload_max_inflight", f"got {self.offload_max_inflight!r}; give an integer >= 1")
 
@@ -243,6 +250,9 @@ class MemoryConfig:
         if self.recompute_tiles > 1 and self.recompute_granularity != "full":
             raise flag_error("recompute_tiles", "replays layers of full recompute in tiles; also set "
                                                 "--recompute-granularity full, or set it to 0")
+        if self.tiled_loss_recompute and self.tiled_loss_tiles <= 1:
+            raise flag_error("tiled_loss_recompute", "changes how the tiled loss runs; also set "
+                                                     "--longctx-tiled-loss-tiles > 1, or drop it")
         if self.offload_policy == "modules" and not self.offload_modules:
             raise flag_error("offload_modules", "offload_policy=modules needs at least one module name")
         if self.recompute_granularity == "selective" and not self.recompute_modules:

@@ -186,6 +186,17 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.view(size, *x.shape)  # [P, n]
 
 
+def all_gather_in_place(buf: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``buf`` ``[P, n]`` (contiguous) whose row ``rank`` holds this rank's part: every row filled, in place
+    (no send buffer: the collective's input is the output's own row, as NCCL's in-place all-gather)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if buf.shape[0] != size or not buf.is_contiguous():
+        raise ValueError(f"all_gather_in_place: need a contiguous [{size}, n] buffer, got {tuple(buf.shape)}")
+    _all_gather_single(buf.view(-1), buf[rank], group=group)
+    STATS.add("all_gather", _nbytes(buf[rank]) * (size - 1))
+    return buf
+
+
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``x`` ``[P, n]`` -> ``[n]``: the sum over ranks of row ``rank``."""
     size = dist.get_world_size(group)

@@ -101,6 +101,13 @@ def allgather_calls(layout: SeqLayout, rank: int, mask: BlockMask) -> tuple[Bloc
     return layout_calls(layout, rank, layout.coarsen(layout.cp_size), 0, mask)
 
 
+def allgather_calls_by_rank(layout: SeqLayout, rank: int, mask: BlockMask) -> tuple[BlockCall, ...]:
+    """Calls of ``rank``'s queries against the gathered K/V in rank order: rank ``j``'s shard at key rows
+    ``[j*t, (j+1)*t)`` (what an all-gather leaves, with no reordering copy)."""
+    t = layout.local_len
+    return tuple(_shift(c, 0, j * t) for j in range(layout.cp_size) for c in layout_calls(layout, rank, layout, j, mask))
+
+
 def schedule_pairs(algorithm: str, layout: SeqLayout, mask: BlockMask, ulysses_size: int | None = None
                    ) -> tuple[list[int], int]:
     """``(pairs, heads_divisor)``: rank ``r`` computes ``pairs[r] / heads_divisor`` visible (query, key)

@@ -5,8 +5,12 @@ A layer replayed in tiles (:mod:`megatron_longctx.memory.tiled_recompute`) runs 
 sees every key before it.  :class:`TiledKV` holds those keys for one layer:
 
 1. :meth:`TiledKV.store` collects this rank's K/V tile by tile;
-2. :meth:`TiledKV.gather` gathers them over the CP group once, in natural order (the all-gather of
-   Llama 3, Dubey et al. 2024, §3.3.2; with one rank: the local K/V);
+2. :meth:`TiledKV.gather` gathers them over the CP group once (the all-gather of Llama 3, Dubey et
+   al. 2024, §3.3.2; with one rank: the local K/V).  With one sequence per micro-batch the tiles are
+   stored straight into this rank's row of the gathered buffers, which the all-gather fills in place
+   and the attention reads in rank order (no send buffer, no reordering copy); the dK/dV sums are
+   then the reduce-scatter's send buffers as they are.  Otherwise the K/V are reordered to natural
+   order;
 3. :meth:`TiledKV.attend` is the attention of one query tile (an autograd function whose backward
    adds the tile's dK/dV into accumulators over the gathered sequence);
 4. :meth:`TiledKV.reduce_grads` reduce-scatters dK/dV back to their owners, and
@@ -25,8 +29,9 @@ import torch.distributed as dist
 
 from .allgather import gather_kv, scatter_kv_grads
 from .args import AttentionArgs
+from .comm import all_gather_in_place, reduce_scatter
 from .layout import SeqLayout, pooled_index
-from .schedule import allgather_calls
+from .schedule import allgather_calls, allgather_calls_by_rank
 from .segments import GradSum, attend_first, attend_segments_backward, restrict_rows, split_keys
 
 # Keys per kernel call of a query tile: its backward's dK/dV temporaries hold at most this many keys.
@@ -46,8 +51,10 @@ class TiledKV:
         self.rank = dist.get_rank(group) if self.group is not None else 0
         self.layout = SeqLayout.dense(local_len * self.cp, self.cp)
         self.args = args
-        self.calls = allgather_calls(self.layout, self.rank, args.mask)
+        self.calls = allgather_calls(self.layout, self.rank, args.mask)  # keys in natural order
+        self.by_rank = False  # the gathered K/V (and dK/dV) in rank order, filled in place
         self._k = self._v = None  # local K/V [b, t, h_kv, d], filled tile by tile
+        self._bufs: Optional[list] = None  # by rank: the gathered K and V buffers [P, t, h_kv, d]
         self.k_all = self.v_all = None  # gathered K/V [b, P*t, h_kv, d]
         self.dkv_all: Optional[GradSum] = None  # their gradients (accumulator dtype)
         self._dk = self._dv = None  # this rank's dK/dV after the reduce-scatter [b, t, h_kv, d]
@@ -56,8 +63,14 @@ class TiledKV:
         """Keep tile ``[lo, hi)`` of this rank's k ``[t, b, h_kv, d_qk]`` and v ``[t, b, h_kv, d_v]``."""
         if self._k is None:
             t = self.layout.local_len
-            self._k = k.new_empty(k.shape[1], t, *k.shape[2:])
-            self._v = v.new_empty(v.shape[1], t, *v.shape[2:])
+            if self.group is not None and k.shape[1] == 1:  # one sequence: this rank's row of the gathered buffers
+                self.by_rank = True
+                self.calls = allgather_calls_by_rank(self.layout, self.rank, self.args.mask)
+                self._bufs = [x.new_empty(self.cp, t, *x.shape[2:]) for x in (k, v)]  # [P, t, h_kv, d]
+                self._k, self._v = (buf[self.rank].unsqueeze(0) for buf in self._bufs)  # [1, t, h_kv, d]
+            else:
+                self._k = k.new_empty(k.shape[1], t, *k.shape[2:])
+                self._v = v.new_empty(v.shape[1], t, *v.shape[2:])
         self._k[:, lo:hi] = k.transpose(0, 1)
         self._v[:, lo:hi] = v.transpose(0, 1)
 
@@ -67,6 +80,11 @@ class TiledKV:
             raise RuntimeError("TiledKV.gather before any tile was stored")
         if self.group is None:
             self.k_all, self.v_all = self._k, self._v
+        elif self.by_rank:
+            bufs, self._bufs = self._bufs, None
+            for buf in bufs:
+                all_gather_in_place(buf.view(self.cp, -1), self.group)
+            self.k_all, self.v_all = (buf.view(1, -1, *buf.shape[2:]) for buf in bufs)  # [1, P*t, h_kv, d]
         else:
             index = pooled_index(self.layout, self.cp, self._k.device)
             self.k_all, self.v_all = gather_kv(self._k, self._v, self.group, index)
@@ -92,6 +110,12 @@ class TiledKV:
             self._dk, self._dv = grads
             return
         shapes = [(g.shape[0], self.layout.local_len, *g.shape[2:]) for g in grads]
+        if self.by_rank:  # [1, P*t, h_kv, d] in rank order: row j of [P, t*h_kv*d] is rank j's share
+            out = []
+            for shape in shapes:
+                out.append(reduce_scatter(grads.pop(0).view(self.cp, -1), self.group).view(shape))
+            self._dk, self._dv = out
+            return
         index = pooled_index(self.layout, self.cp, grads[0].device)
         self._dk, self._dv = scatter_kv_grads(grads, self.group, index, shapes)
 
@@ -100,7 +124,7 @@ class TiledKV:
         return (self._dk[:, lo:hi].transpose(0, 1).to(dtype), self._dv[:, lo:hi].transpose(0, 1).to(dtype))
 
     def release(self) -> None:
-        self._k = self._v = self.k_all = self.v_all = self.dkv_all = self._dk = self._dv = None
+        self._k = self._v = self.k_all = self.v_all = self.dkv_all = self._dk = self._dv = self._bufs = None
 
 
 class _TileAttention(torch.autograd.Function):

@@ -36,13 +36,16 @@ FLASH_RECOMPUTE = "megatron-flash+recompute"  # the time-per-token reference of 
 # stand-in is the disk (offload_target=disk), which is what lowers resident memory there.
 OFFLOAD = (("recompute_granularity", "full"), ("offload_policy", "checkpoint"))
 TILED = (("tiled_mlp_tiles", 4), ("tiled_loss_tiles", 4))
+# With every memory feature on, the tiled loss recomputes its logits in backward: one matmul more per
+# tile, nothing [s, h] or [V, h] held from forward to backward.
+TILED_LEAN = TILED + (("tiled_loss_recompute", True),)
 # Tiles sized per sequence (as ALST does): at most this many tokens per rank in one tile.  A feature tiles
 # only from MIN_TILES tiles' worth of tokens per rank on: on a shorter sequence its extra passes (the
 # logits recomputed, the layer replay's Q/K/V projections) cost more than the memory they save, and it
 # is off (plain loss, plain MLP, plain full recompute).
 MLP_TILE_TOKENS = 256
 LOSS_TILE_TOKENS = 128
-LAYER_TILE_TOKENS = 512  # layers replayed in sequence tiles
+LAYER_TILE_TOKENS = 256  # layers replayed in sequence tiles
 MIN_TILES = 4
 
 
@@ -62,6 +65,8 @@ def tiles_for(variant: Variant, tokens_per_rank: int) -> Variant:
         if options.get(key):
             tiles = -(-tokens_per_rank // tile)
             options[key] = tiles if tiles >= MIN_TILES else 0
+    if not options.get("tiled_loss_tiles"):
+        options.pop("tiled_loss_recompute", None)  # the plain loss: nothing to recompute
     if options.get("recompute_tiles", 0) > 1 and options.get("tiled_mlp_tiles"):
         # Inside a replayed tile the MLP sees that tile only: its tiles are sized for it.
         layer_tile = -(-tokens_per_rank // options["recompute_tiles"])
@@ -125,11 +130,12 @@ def default_configs(cp: int) -> list[BenchConfig]:
                f"plugin, CP={cp}, ring, full recompute + checkpoint offload"),
         plugin("ring+tiled", "ring", TILED, f"plugin, CP={cp}, ring, tiled MLP + tiled loss "
                f"(<= {MLP_TILE_TOKENS} / {LOSS_TILE_TOKENS} tokens per tile, from {MIN_TILES} tiles' worth on)"),
-        plugin("ring+all", "ring", offload_options() + TILED,
-               f"plugin, CP={cp}, ring, recompute + checkpoint offload + tiled MLP/loss"),
-        plugin("allgather+all", "allgather", offload_options() + TILED + (("recompute_tiles", 4),),
+        plugin("ring+all", "ring", offload_options() + TILED_LEAN,
+               f"plugin, CP={cp}, ring, recompute + checkpoint offload + tiled MLP/loss (logits recomputed)"),
+        plugin("allgather+all", "allgather", offload_options() + TILED_LEAN + (("recompute_tiles", 4),),
                f"plugin, CP={cp}, all-gather, recompute in sequence tiles (<= {LAYER_TILE_TOKENS} tokens per "
-               f"tile) + checkpoint offload + tiled MLP/loss; each tiles from {MIN_TILES} tiles' worth on"),
+               f"tile) + checkpoint offload + tiled MLP/loss (logits recomputed); each tiles from {MIN_TILES} tiles' "
+               "worth on"),
     ]
 
 

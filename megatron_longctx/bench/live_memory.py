@@ -33,7 +33,8 @@ class LiveTensors(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self.peak_by_label: dict[str, int] = {}
+        self.peak_by_label: dict[str, int] = {}  # taken at most ``snapshot_step`` (relative) below the peak
+        self._snapshot_live = 0
         self._by_label: collections.Counter = collections.Counter()
         self._ptrs: dict[int, list] = {}  # data_ptr -> [nbytes, label, tensors alive]
         self._snapshot_step = snapshot_step
@@ -74,10 +75,11 @@ class LiveTensors(TorchDispatchMode):
                 self._by_label[label] += entry[0]
             entry[2] += 1
             weakref.finalize(t, self._release, ptr)
-        if self.live > self.peak * (1 + self._snapshot_step):
+        if self.live > self.peak:
             self.peak = self.live
-            self.peak_by_label = {k: v for k, v in self._by_label.items() if v > 0}
-        self.peak = max(self.peak, self.live)
+            if self.live > self._snapshot_live * (1 + self._snapshot_step):  # within a step of the true peak
+                self._snapshot_live = self.live
+                self.peak_by_label = {k: v for k, v in self._by_label.items() if v > 0}
         return out
 
     def watch(self, model: torch.nn.Module) -> None:

@@ -5,7 +5,8 @@ on a built model.
 :func:`install` puts the rest on a built model and returns a handle whose ``remove()`` undoes it:
 
 1. tiled MLP on MLPs the spec did not already tile, the tiled loss on the post-process stage, and the
-   lean RMSNorm (``--longctx-lean-norm``);
+   lean RMSNorm (``--longctx-lean-norm``); under checkpoint offload, the embedding output handed to the
+   decoder without a reference of the GPTModel's own (:func:`release_embedding_output`);
 2. selective recompute wrappers (innermost: they change what a module saves);
 3. offload scopes around named modules (policy ``modules``);
 4. one wrapper per transformer layer, outermost, in this order from the outside in: layer scope,
@@ -185,6 +186,58 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
     return lambda: layer.__dict__.pop("forward", None) if layer.__dict__.get("forward") is forward else None
 
 
+def release_embedding_output(gpt_model: Any) -> Callable[[], None]:
+    """Hand ``gpt_model``'s embedding output to its decoder without keeping a reference of its own.
+
+    ``GPTModel.forward`` holds the embedding output (the first layer's input) in a local until it
+    returns, so it stays on the device through the whole forward even when the first layer's
+    checkpoint offload has moved it off.  At inference Megatron passes it as a ``WrappedTensor``, which
+    the decoder unwraps, leaving no reference behind; this does the same in every forward whose
+    embedding output nothing else reads (no multi-token prediction, config logger or
+    ``output_processor``, which receive it).  Returns the function that undoes it.
+    """
+    try:
+        from megatron.core.config_logger import has_config_logger_enabled
+        from megatron.core.utils import WrappedTensor
+    except ImportError:  # a Megatron without WrappedTensor: the reference stays, nothing else changes
+        return lambda: None
+    if not hasattr(gpt_model, "_preprocess") or getattr(gpt_model, "mtp_process", False):
+        return lambda: None
+    original_preprocess, original_forward = gpt_model._preprocess, gpt_model.forward
+    before = {name: gpt_model.__dict__.get(name) for name in ("_preprocess", "forward")}  # another wrapper's
+    active: list = []
+
+    @functools.wraps(original_preprocess)
+    def preprocess(*args: Any, **kwargs: Any) -> Any:
+        out = original_preprocess(*args, **kwargs)
+        if (active and isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor)
+                and not has_config_logger_enabled(gpt_model.config)):
+            out = (WrappedTensor(out[0]),) + out[1:]
+        return out
+
+    @functools.wraps(original_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("output_processor") is not None:
+            return original_forward(*args, **kwargs)
+        active.append(True)
+        try:
+            return original_forward(*args, **kwargs)
+        finally:
+            active.pop()
+
+    gpt_model._preprocess, gpt_model.forward = preprocess, forward
+
+    def remove() -> None:
+        for name, ours in (("_preprocess", preprocess), ("forward", forward)):
+            if gpt_model.__dict__.get(name) is ours:
+                if before[name] is None:
+                    del gpt_model.__dict__[name]
+                else:
+                    gpt_model.__dict__[name] = before[name]
+
+    return remove
+
+
 def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     """Put offload, recompute, tiled MLP and tiled loss (per ``cfg``) on a built Megatron model.
 
@@ -221,9 +274,13 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     if cfg.tiled_loss_tiles > 1:
         for chunk in chunks:
             if getattr(chunk, "post_process", False) and hasattr(chunk, "compute_language_model_loss"):
-                handle.removers.append(install_tiled_loss(chunk, cfg.tiled_loss_tiles))
+                handle.removers.append(install_tiled_loss(chunk, cfg.tiled_loss_tiles, cfg.tiled_loss_recompute))
     if cfg.lean_norm:
         handle.removers.extend(install_lean_norms(chunks))
+    if cfg.offload_policy == "checkpoint":
+        for chunk in chunks:
+            if getattr(chunk, "pre_process", False):
+                handle.removers.append(release_embedding_output(chunk))
     discard = None
     if cfg.recompute_granularity == "selective":
         if "layernorm" in cfg.recompute_modules:

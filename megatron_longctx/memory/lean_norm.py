@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from megatron_longctx.memory import grad_buffers
+
 
 def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
@@ -35,6 +37,7 @@ class _LeanRMSNorm(torch.autograd.Function):
         if weight is not None:
             y = y * weight
         ctx.save_for_backward(x, weight, rstd)
+        ctx.watch = grad_buffers.Watch(x)
         return y
 
     @staticmethod
@@ -42,13 +45,14 @@ class _LeanRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         h = x.shape[-1]
         x2, dy2, rstd2 = x.reshape(-1, h), dy.reshape(-1, h), rstd.reshape(-1, 1)  # [n, h], [n, h], [n, 1]
-        dx = torch.empty_like(x2)  # [n, h] in x's dtype
+        # dx in dy's buffer when it is a plugin's own (each step reads its rows of dy before writing them)
+        dx = dy2 if grad_buffers.reusable(dy, x.shape, x.dtype, x.device) else torch.empty_like(x2)  # [n, h]
         want_dw = weight is not None and ctx.needs_input_grad[1]
         dw = torch.zeros(h, dtype=rstd.dtype, device=x.device) if want_dw else None  # [h] in acc
         for lo in range(0, x2.shape[0], BACKWARD_ROWS):
             hi = min(lo + BACKWARD_ROWS, x2.shape[0])
             _rows_backward(x2[lo:hi], dy2[lo:hi], rstd2[lo:hi], weight, dx[lo:hi], dw)
-        return dx.view(x.shape), None if dw is None else dw.to(weight.dtype), None
+        return grad_buffers.own(dx.view(x.shape), ctx.watch), None if dw is None else dw.to(weight.dtype), None
 
 
 # Rows (tokens) per step of the backward: its float32 buffers are [rows, h], not [tokens, h].
@@ -60,8 +64,8 @@ def _rows_backward(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor, weight
     """``dx`` (written) and ``dw`` (accumulated) of rows ``x`` ``[r, h]``; two ``[r, h]`` buffers of its own.
 
     xhat and g, the rest in place in them (the weight gradient's product dies before g is made; products
-    with xhat or the weight promote a low-precision dy without a copy of it).  dy may be shared with
-    other consumers: never written.
+    with xhat or the weight promote a low-precision dy without a copy of it).  ``dx`` may be ``dy`` itself
+    (dy is read before dx is written); otherwise dy is never written.
     """
     acc = rstd.dtype
     xhat = x.to(acc) * rstd  # [r, h]

@@ -11,6 +11,12 @@ and added as ``Σ_t (g_t - c) D_t^T h_t``.  Forward keeps ``D @ W`` ``[s, b, h]`
 float32, the hidden states and the log-sum-exp ``[s, b]``.  Same loss and gradients as Megatron's
 ``output_layer`` + ``vocab_parallel_cross_entropy`` (vocab split over TP; a CP rank simply owns its
 tokens); the vocab-parallel softmax is Megatron's (Shoeybi et al. 2019, arXiv:1909.08053).
+
+With ``recompute`` (``--longctx-tiled-loss-recompute``) forward keeps only the hidden states and the
+log-sum-exp, and backward recomputes each tile's logits (four matmuls per tile): no ``[s, b, h]`` and no
+``[V/tp, h]`` float32 buffer lives from forward to backward, and the output weight's gradient goes
+straight into Megatron's ``main_grad`` (its gradient-accumulation-fusion protocol) when the weight is
+the output layer's own.
 """
 
 from __future__ import annotations
@@ -23,12 +29,17 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_longctx.memory import grad_buffers
+
 
 @dataclasses.dataclass(frozen=True)
 class TiledLossArgs:
     tp_group: Any  # vocab-parallel group (None or size 1: whole vocabulary here)
     num_tiles: int
     reduce_grad_input: bool  # hidden is replicated over tp_group: all-reduce its gradient
+    recompute: bool = False  # backward recomputes the logits (forward keeps hidden and lse only)
+    into_main_grad: bool = False  # recompute: the weight's gradient accumulates into its Megatron main_grad
+    norm: Optional[Callable] = None  # recompute: the final norm, applied per tile (hidden is its input)
 
 
 def _group_size_rank(group: Any) -> tuple[int, int]:
@@ -57,38 +68,57 @@ def _softmax_minus_onehot(probs: torch.Tensor, target: torch.Tensor, v_start: in
     return probs
 
 
+def _tile_loss(args: TiledLossArgs, h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, v_start: int,
+               lse: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile's log-sum-exp and loss (written into ``lse``, ``loss`` ``[t, b]``); returns its
+    ``exp(logits - max)`` ``[t, b, V/tp]`` (the tile's one logits buffer) and their sum ``[t, b]``."""
+    tp, _ = _group_size_rank(args.tp_group)
+    v_local = weight.shape[0]
+    logits = _tile_logits(h, weight)  # [t, b, V/tp]
+    row_max = logits.max(dim=-1).values  # [t, b]
+    if tp > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=args.tp_group)  # [t, b]
+    local = target - v_start  # [t, b]
+    in_range = (local >= 0) & (local < v_local)
+    picked = logits.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)  # [t, b]
+    picked = torch.where(in_range, picked, torch.zeros_like(picked))
+    sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)  # [t, b], in place: one tile buffer
+    if tp > 1:
+        both = torch.stack([picked, sum_exp])  # [2, t, b]
+        dist.all_reduce(both, group=args.tp_group)  # [2, t, b]
+        picked, sum_exp = both[0], both[1]
+    lse.copy_(row_max + torch.log(sum_exp))
+    loss.copy_(lse - picked)
+    return logits, sum_exp
+
+
 def tiled_loss_forward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.Tensor,
                        target: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per-token loss and log-sum-exp ``[s, b]`` (float32), ``D @ W`` ``[s, b, h]`` and ``D^T h`` ``[V/tp, h]``.
 
-    ``target`` ``[s, b]``.  ``D @ W`` is this rank's share (summed over TP in backward).
+    ``target`` ``[s, b]``.  ``D @ W`` is this rank's share (summed over TP in backward).  With
+    ``args.recompute`` the last two are ``None`` (backward recomputes them).
     """
-    tp, rank = _group_size_rank(args.tp_group)
+    _, rank = _group_size_rank(args.tp_group)
     v_local = weight.shape[0]
     v_start = rank * v_local
     acc = torch.promote_types(hidden.dtype, torch.float32)
     loss = torch.empty(target.shape, dtype=acc, device=hidden.device)  # [s, b]
     lse = torch.empty_like(loss)  # [s, b]
-    d_hidden = torch.empty_like(hidden)  # [s, b, h]: D @ W, d loss_t / d hidden_t
-    d_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                           device=weight.device)  # [V/tp, h]: sum_t D_t^T h_t
+    d_hidden = d_weight = None
+    if not args.recompute:
+        d_hidden = torch.empty_like(hidden)  # [s, b, h]: D @ W, d loss_t / d hidden_t
+        d_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                               device=weight.device)  # [V/tp, h]: sum_t D_t^T h_t
     for start, end in _bounds(hidden.shape[0], args.num_tiles):
         h = hidden[start:end]  # [t, b, h]
-        logits = _tile_logits(h, weight)  # [t, b, V/tp]
-        row_max = logits.max(dim=-1).values  # [t, b]
-        if tp > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=args.tp_group)  # [t, b]
-        local = target[start:end] - v_start  # [t, b]
-        in_range = (local >= 0) & (local < v_local)
-        picked = logits.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)  # [t, b]
-        picked = torch.where(in_range, picked, torch.zeros_like(picked))
-        sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)  # [t, b], in place: one tile buffer
-        if tp > 1:
-            both = torch.stack([picked, sum_exp])  # [2, t, b]
-            dist.all_reduce(both, group=args.tp_group)  # [2, t, b]
-            picked, sum_exp = both[0], both[1]
-        lse[start:end] = row_max + torch.log(sum_exp)
-        loss[start:end] = lse[start:end] - picked
+        if args.norm is not None:
+            with torch.no_grad():
+                h = args.norm(h)  # [t, b, h]
+        logits, sum_exp = _tile_loss(args, h, weight, target[start:end], v_start, lse[start:end], loss[start:end])
+        if d_weight is None:  # recompute: the tile's backward runs in backward
+            del logits
+            continue
         # the tile's backward while its logits are here: D = softmax - onehot, in the same buffer
         grad_logits = _softmax_minus_onehot(logits.div_(sum_exp.unsqueeze(-1)), target[start:end], v_start)
         # D @ W in the hidden dtype (a low-precision copy of D, gone before D^T h); D^T h from the float32 D
@@ -132,29 +162,94 @@ def tiled_loss_backward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
+def _weight_grad_target(args: TiledLossArgs, weight: torch.Tensor) -> torch.Tensor:
+    """Where the recompute backward accumulates ``d W`` (float32): the weight's Megatron ``main_grad``
+    when allowed (:func:`grad_buffers.main_grad_of`), else a float32 buffer returned in the weight's dtype."""
+    main = grad_buffers.main_grad_of(weight) if args.into_main_grad else None
+    if main is not None:
+        return main
+    return torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
+
+
+def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.Tensor,
+                                  target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
+                                  norm_params: tuple = ()) -> tuple:
+    """Gradients of ``sum(grad_loss * loss)`` with each tile's logits recomputed from ``hidden`` and ``lse``:
+    ``(d hidden, d weight, *d norm_params)``.
+
+    Exact for any ``grad_loss`` (each token's row of D is scaled by its own gradient).  With
+    ``args.norm`` each tile's norm runs again and backpropagates its share into ``hidden`` (the norm's
+    input) and ``norm_params``.
+    """
+    tp, rank = _group_size_rank(args.tp_group)
+    v_start = rank * weight.shape[0]
+    grad_hidden = torch.empty_like(hidden)  # [s, b, h]
+    grad_weight = _weight_grad_target(args, weight)  # [V/tp, h] float32
+    grad_norm: list = [None] * len(norm_params)
+    for start, end in _bounds(hidden.shape[0], args.num_tiles):
+        x = h = hidden[start:end]  # [t, b, h]
+        if args.norm is not None:
+            x = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                normed = args.norm(x)  # [t, b, h]
+            h = normed.detach()
+        probs = _tile_logits(h, weight).sub_(lse[start:end].unsqueeze(-1)).exp_()  # [t, b, V/tp]
+        grad_logits = _softmax_minus_onehot(probs, target[start:end], v_start)
+        grad_logits.mul_(grad_loss[start:end].unsqueeze(-1))  # [t, b, V/tp]: g_t D_t
+        grad_h = grad_hidden[start:end] if args.norm is None else torch.empty_like(h)  # [t, b, h]
+        torch.matmul(grad_logits.to(hidden.dtype), weight, out=grad_h)  # [t, b, h]
+        grad_weight.addmm_(grad_logits.reshape(-1, weight.shape[0]).t(),
+                           h.reshape(-1, h.shape[-1]).to(grad_weight.dtype))  # [V/tp, h]
+        del probs, grad_logits  # one [t, b, V/tp] tile alive at a time
+        if args.norm is not None:
+            got = torch.autograd.grad(normed, (x, *norm_params), grad_h, allow_unused=True)
+            grad_hidden[start:end] = got[0]
+            for i, g in enumerate(got[1:]):
+                if g is not None:
+                    grad_norm[i] = g if grad_norm[i] is None else grad_norm[i].add_(g)
+            del normed, got
+    if args.reduce_grad_input and tp > 1:
+        dist.all_reduce(grad_hidden, group=args.tp_group)  # [s, b, h]
+    if grad_weight is getattr(weight, "main_grad", None):
+        return (grad_hidden, grad_buffers.main_grad_placeholder(weight), *grad_norm)
+    return (grad_hidden, grad_weight.to(weight.dtype), *grad_norm)
+
+
 class TiledLogitsLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, args: TiledLossArgs, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
-                target: torch.Tensor) -> torch.Tensor:
+                target: torch.Tensor, *norm_params: torch.Tensor) -> torch.Tensor:
         loss, lse, d_hidden, d_weight = tiled_loss_forward(args, hidden, weight, target)
-        ctx.args = args
-        ctx.save_for_backward(hidden, weight, target, lse, d_hidden, d_weight)
+        ctx.args, ctx.norm_params = args, norm_params
+        ctx.watch = grad_buffers.Watch(hidden)
+        if args.recompute:
+            ctx.save_for_backward(hidden, weight, target, lse)
+        else:
+            ctx.save_for_backward(hidden, weight, target, lse, d_hidden, d_weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
+        if ctx.args.recompute:
+            hidden, weight, target, lse = ctx.saved_tensors
+            grad_hidden, grad_weight, *grad_norm = tiled_loss_backward_recompute(
+                ctx.args, hidden, weight, target, lse, grad_loss.to(lse.dtype), ctx.norm_params)
+            return None, grad_buffers.own(grad_hidden, ctx.watch), grad_weight, None, *grad_norm
         if getattr(ctx, "done", False):  # the saved D @ W and D^T h were scaled in place by the first backward
             raise RuntimeError("tiled logits+loss: a second backward through the same graph (retain_graph=True) is "
-                               "not supported; run the forward again, or set --longctx-tiled-loss-tiles 0")
+                               "not supported; run the forward again, set --longctx-tiled-loss-recompute, or set "
+                               "--longctx-tiled-loss-tiles 0")
         ctx.done = True
         hidden, weight, target, lse, d_hidden, d_weight = ctx.saved_tensors
         grad_hidden, grad_weight = tiled_loss_backward(ctx.args, hidden, weight, target, (lse, d_hidden, d_weight),
                                                        grad_loss.to(lse.dtype))
-        return None, grad_hidden, grad_weight, None
+        return None, grad_buffers.own(grad_hidden, ctx.watch), grad_weight, None
 
 
 def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels: torch.Tensor, tp_group: Any,
-                      num_tiles: int, *, reduce_grad_input: bool = True) -> torch.Tensor:
+                      num_tiles: int, *, reduce_grad_input: bool = True, recompute: bool = False,
+                      into_main_grad: bool = False, norm: Optional[torch.nn.Module] = None,
+                      norm_forward: Optional[Callable] = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ output_weight.T`` against ``labels``, over ``num_tiles`` sequence tiles.
 
     Args:
@@ -167,6 +262,14 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
             ``[s, b, h]`` + ``[V/tp, h]`` float32 held from forward to backward.
         reduce_grad_input: all-reduce ``d hidden`` over ``tp_group`` (hidden replicated, as in a
             ColumnParallelLinear without sequence parallel); False when the caller's gather reduces it.
+        recompute: keep only ``hidden`` and the log-sum-exp from forward; backward recomputes each tile's
+            logits (one more matmul per tile, no ``[s, b, h]`` / ``[V/tp, h]`` buffers held in between).
+        into_main_grad: with ``recompute``, accumulate the weight's gradient into its Megatron
+            ``main_grad`` (set only for a weight no other module uses: a tied embedding's own gradient
+            would be skipped by Megatron's hook).
+        norm: with ``recompute``, a token-wise norm module applied to ``hidden`` first, one tile at a time
+            in forward and again in backward: its ``[s, b, h]`` output is never kept (``hidden`` is the
+            norm's input).  ``norm_forward`` calls it (default: the module itself).
     Returns:
         per-token loss ``[b, s]`` float32, as Megatron's ``compute_language_model_loss``.
     """
@@ -175,9 +278,14 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
     if hidden.dim() != 3 or labels.shape != (hidden.shape[1], hidden.shape[0]):
         raise ValueError(f"tiled_logits_loss: hidden must be [s, b, h] and labels [b, s]; got "
                          f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
-    args = TiledLossArgs(tp_group=tp_group, num_tiles=num_tiles, reduce_grad_input=reduce_grad_input)
+    if norm is not None and not recompute:
+        raise ValueError("tiled_logits_loss: a norm is applied per tile only with recompute=True")
+    args = TiledLossArgs(tp_group=tp_group, num_tiles=num_tiles, reduce_grad_input=reduce_grad_input,
+                         recompute=recompute, into_main_grad=recompute and into_main_grad,
+                         norm=None if norm is None else (norm_forward or norm))
     target = labels.transpose(0, 1).contiguous()  # [s, b]
-    loss = TiledLogitsLoss.apply(args, hidden, output_weight, target)  # [s, b]
+    norm_params = () if norm is None else tuple(p for p in norm.parameters() if p.requires_grad)
+    loss = TiledLogitsLoss.apply(args, hidden, output_weight, target, *norm_params)  # [s, b]
     return loss.transpose(0, 1).contiguous()  # [b, s]
 
 
@@ -192,13 +300,20 @@ def _labels_of(signature: inspect.Signature, args: tuple, kwargs: dict) -> Optio
     return bound.arguments.get("labels")
 
 
-def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int) -> Callable[[], None]:
+def _pass_through(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bool = False) -> Callable[[], None]:
     """Make ``gpt_model(..., labels=...)`` compute its loss with :func:`tiled_logits_loss`.
 
     During a forward with labels, the model's ``output_layer`` hands the final hidden states through
     (gathered over TP when sequence parallel) and ``compute_language_model_loss`` runs the tiled loss
     with the same output weight (shared embedding or ``output_layer.weight``); parameters and
     ``state_dict`` keys stay the same.  Forward without labels is untouched (it returns logits).
+    ``recompute``: see :func:`tiled_logits_loss`; an untied output weight's gradient then goes into its
+    ``main_grad``, and without tensor parallelism the decoder's final norm runs inside the loss, tile by
+    tile (the decoder returns the norm's input; the norm's parameters get their gradients from the loss).
     Returns the function that undoes it.
     """
     config = getattr(gpt_model, "config", None)
@@ -214,6 +329,12 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int) -> Callable[[
     original_forward = gpt_model.forward
     signature = inspect.signature(original_forward)
     output_layer = gpt_model.output_layer
+    # Recompute: the decoder's final norm runs inside the loss, one tile at a time (its output is never
+    # kept whole), where the hidden states are whole on this rank (no vocabulary split over TP).
+    final_norm = getattr(getattr(gpt_model, "decoder", None), "final_layernorm", None) if recompute else None
+    if final_norm is not None and (_group_size_rank(getattr(output_layer, "tp_group", None))[0] > 1
+                                   or getattr(output_layer, "sequence_parallel", False)):
+        final_norm = None
 
     @functools.wraps(original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -223,6 +344,7 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int) -> Callable[[
 
         def pass_hidden(hidden: torch.Tensor, weight: Optional[torch.Tensor] = None, **_: Any) -> tuple:
             seen["weight"] = output_layer.weight if weight is None else weight
+            seen["own_weight"] = weight is None  # not the shared embedding
             seen["reduce"] = True
             if getattr(output_layer, "sequence_parallel", False):
                 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -231,17 +353,28 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int) -> Callable[[
                 seen["reduce"] = False
             return hidden, None
 
+        norm_forward = None if final_norm is None else final_norm.forward  # the norm's own (or lean) forward
+
         def loss(labels: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
             return tiled_logits_loss(hidden, seen["weight"], labels, getattr(output_layer, "tp_group", None),
-                                     num_tiles, reduce_grad_input=seen["reduce"])
+                                     num_tiles, reduce_grad_input=seen["reduce"], recompute=recompute,
+                                     into_main_grad=seen["own_weight"], norm=final_norm, norm_forward=norm_forward)
 
         output_layer.forward = pass_hidden
         gpt_model.compute_language_model_loss = loss
+        norm_before = None if final_norm is None else final_norm.__dict__.get("forward")
+        if final_norm is not None:
+            final_norm.forward = _pass_through  # the decoder hands the norm's input to the loss
         try:
             return original_forward(*args, **kwargs)
         finally:
             output_layer.__dict__.pop("forward", None)
             gpt_model.__dict__.pop("compute_language_model_loss", None)
+            if final_norm is not None:
+                if norm_before is None:
+                    final_norm.__dict__.pop("forward", None)
+                else:
+                    final_norm.forward = norm_before
 
     gpt_model.forward = forward
 

@@ -18,8 +18,9 @@ Forward is passes 1 and 2 without gradients.  Peak memory per token is then the 
 output gradients, the gathered K/V and dK/dV, and one tile's activations (FPDT, Yao et al. 2024,
 arXiv:2408.16978, runs a layer in sequence chunks the same way); the layer input too, unless the
 checkpoint offload holds it (:func:`hooks.pack_rows`: each pass reads it back one tile at a time).  Parameter gradients are summed
-over the tiles and returned by one autograd node, so gradient hooks (Megatron's DDP) fire once per
-parameter, as without tiling.
+over the tiles (straight into Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`) and
+returned by one autograd node, so gradient hooks (Megatron's DDP) fire once per parameter, as without
+tiling.
 
 The core attention takes part through :func:`current`: while a replay is active it reads the
 replay's ``mode`` and tile (``lo``, ``hi``) and keeps its per-layer state in :meth:`_Replay.state_for`.
@@ -38,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_longctx.memory import hooks
+from megatron_longctx.memory import grad_buffers, hooks
 from megatron_longctx.memory.recompute import RngSnapshot, _SwapRng
 
 COLLECT = "collect"  # store the tile's K/V, stop at the core attention
@@ -177,19 +178,39 @@ def _forward(call: _TiledCall, x: torch.Tensor) -> list[torch.Tensor]:
     return outs
 
 
-def _accumulate(total: list, grads: tuple) -> None:
-    for i, g in enumerate(grads):
-        if g is not None:
-            total[i] = g if total[i] is None else total[i].add_(g)
+class _ParamGrads:
+    """The layer's parameter gradients summed over the tiles: straight into Megatron's ``main_grad`` where
+    its DDP allows (no sum of our own alongside each tile's gradients), else summed here."""
+
+    def __init__(self, params: tuple) -> None:
+        self.params = params
+        self.mains = [grad_buffers.main_grad_of(p) for p in params]
+        self.sums: list = [None] * len(params)
+        self.added = [False] * len(params)
+
+    def add(self, grads: tuple) -> None:
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if self.mains[i] is not None:
+                self.mains[i].add_(g)
+                self.added[i] = True
+            else:
+                self.sums[i] = g if self.sums[i] is None else self.sums[i].add_(g)
+
+    def result(self) -> list:
+        return [grad_buffers.main_grad_placeholder(p) if added else total
+                for p, added, total in zip(self.params, self.added, self.sums)]
 
 
 def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, grads: tuple) -> tuple:
-    """Passes 1-3 with gradients into ``dx`` (zeros, the layer input's shape): (dx, *parameter gradients).
+    """Passes 1-3 with gradients into ``dx`` (the layer input's shape): (dx, *parameter gradients).
 
     ``rows(lo, hi)`` gives the layer input's rows, read again in every pass (an offloaded input comes
-    back one tile at a time)."""
+    back one tile at a time).  Pass 2 writes every tile's rows of ``dx`` after the tile's rows of the
+    output gradient are consumed, so ``dx`` may be that gradient's buffer (:mod:`grad_buffers`)."""
     replay = _collect(call, rows, dx.shape[0], with_grads=True)
-    dparams: list = [None] * len(params)
+    dparams = _ParamGrads(params)
     tiles = tile_bounds(dx.shape[0], call.num_tiles)
     replay.mode = ATTEND
     for lo, hi in tiles:
@@ -204,10 +225,14 @@ def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, gra
                 out_grads.append(g[lo:hi])
         if outs:
             got = torch.autograd.grad(outs, (x_t, *params), out_grads, allow_unused=True)
-            if got[0] is not None:
-                dx[lo:hi] = got[0]
-            _accumulate(dparams, got[1:])
-        del leaves, outs, out_grads
+            dparams.add(got[1:])
+        else:
+            got = (None,)
+        if got[0] is not None:
+            dx[lo:hi] = got[0]
+        else:
+            dx[lo:hi].zero_()
+        del leaves, outs, out_grads, got
     replay.state.reduce_grads()
     replay.mode = KV_GRAD
     for lo, hi in tiles:
@@ -222,9 +247,10 @@ def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, gra
             raise RuntimeError("tiled replay: the layer did not stop at its core attention in the K/V pass")
         if got[0] is not None:
             dx[lo:hi] += got[0]
-        _accumulate(dparams, got[1:])
+        dparams.add(got[1:])
+        del got
     replay.state.release()
-    return (dx, *dparams)
+    return (dx, *dparams.result())
 
 
 class TiledCheckpointFunction(torch.autograd.Function):
@@ -240,6 +266,7 @@ class TiledCheckpointFunction(torch.autograd.Function):
         ctx.call, ctx.params = call, params
         ctx.rows_item = hooks.pack_rows(x)
         ctx.input_like = (x.shape, x.dtype, x.device)
+        ctx.watch = grad_buffers.Watch(x)
         if ctx.rows_item is None:
             ctx.save_for_backward(x)
         with hooks.paused():
@@ -254,10 +281,12 @@ class TiledCheckpointFunction(torch.autograd.Function):
         else:
             rows = functools.partial(hooks.unpack_rows, item)
         shape, dtype, device = ctx.input_like
-        dx = torch.zeros(shape, dtype=dtype, device=device)
+        # the input's gradient in the output gradient's buffer when that is a plugin's own and the only one
+        reuse = len(grads) == 1 and grad_buffers.reusable(grads[0], shape, dtype, device)
+        dx = grads[0] if reuse else torch.empty(shape, dtype=dtype, device=device)
         with _SwapRng(ctx.call.rng), hooks.paused():
             dx, *dparams = _backward(ctx.call, rows, dx, ctx.params, grads)
-        return (None, dx, *dparams)
+        return (None, grad_buffers.own(dx, ctx.watch), *dparams)
 
 
 def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:

@@ -37,11 +37,11 @@ def _loss_matches_vocab_parallel_cross_entropy():
         labels = torch.randint(0, vocab, (b, s), generator=g)
         grad_out = torch.rand(b, s, dtype=torch.float64, generator=g)
 
-        def run(tiled, num_tiles=4):
+        def run(tiled, num_tiles=4, recompute=False):
             x = hidden.clone().requires_grad_()
             w = weight.clone().requires_grad_()
             if tiled:
-                loss = tiled_logits_loss(x, w, labels, tp, num_tiles)  # [b, s]
+                loss = tiled_logits_loss(x, w, labels, tp, num_tiles, recompute=recompute)  # [b, s]
             else:
                 logits = copy_to_tensor_model_parallel_region(x) @ w.t()  # [s, b, V/tp]
                 loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous()).t()  # [b, s]
@@ -57,9 +57,10 @@ def _loss_matches_vocab_parallel_cross_entropy():
         exact = (loss.detach(), {"hidden": x.grad, "weight": w.grad[rank * 10:(rank + 1) * 10]})
         megatron = run(False)  # Megatron computes the loss in float32 whatever the input dtype
         for tiles in (1, 4, 13, 20):
-            ours = run(True, tiles)
-            assert_same(exact, ours)
-            assert_same(megatron, (ours[0].float(), ours[1]), rtol=1e-5, atol=1e-6)
+            for recompute in (False, True):
+                ours = run(True, tiles, recompute)
+                assert_same(exact, ours)
+                assert_same(megatron, (ours[0].float(), ours[1]), rtol=1e-5, atol=1e-6)
         # sequence parallel: each rank holds [s/tp] tokens; Megatron's gather reduce-scatters d hidden,
         # so the tiled loss must not all-reduce it as well (reduce_grad_input=False)
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -67,15 +68,16 @@ def _loss_matches_vocab_parallel_cross_entropy():
         hidden_sp = torch.cat([hidden, hidden[:1]])  # [s_pad, b, h]
         labels_sp = torch.cat([labels, labels[:, :1]], dim=1)  # [b, s_pad]
         grad_sp = torch.cat([grad_out, torch.zeros(b, 1, dtype=torch.float64)], dim=1)
-        local = hidden_sp[rank * 7:(rank + 1) * 7].clone().requires_grad_()  # [s_pad/tp, b, h]
-        w = weight.clone().requires_grad_()
-        loss = tiled_logits_loss(gather_from_sequence_parallel_region(local, group=tp), w, labels_sp, tp, 3,
-                                 reduce_grad_input=False)  # [b, s_pad]
-        (loss * grad_sp).sum().backward()
         full_grad = torch.cat([exact[1]["hidden"], torch.zeros(1, b, h, dtype=torch.float64)])
-        torch.testing.assert_close(loss[:, :s], exact[0])
-        torch.testing.assert_close(local.grad, full_grad[rank * 7:(rank + 1) * 7])
-        torch.testing.assert_close(w.grad, exact[1]["weight"])
+        for recompute in (False, True):
+            local = hidden_sp[rank * 7:(rank + 1) * 7].clone().requires_grad_()  # [s_pad/tp, b, h]
+            w = weight.clone().requires_grad_()
+            loss = tiled_logits_loss(gather_from_sequence_parallel_region(local, group=tp), w, labels_sp, tp, 3,
+                                     reduce_grad_input=False, recompute=recompute)  # [b, s_pad]
+            (loss * grad_sp).sum().backward()
+            torch.testing.assert_close(loss[:, :s], exact[0])
+            torch.testing.assert_close(local.grad, full_grad[rank * 7:(rank + 1) * 7])
+            torch.testing.assert_close(w.grad, exact[1]["weight"])
 
 
 def test_tiled_loss_matches_vocab_parallel_cross_entropy_tp2():
@@ -156,6 +158,85 @@ def test_tiled_loss_holds_one_logits_tile_at_a_time():
     assert_same(exact, (loss.detach(), {"hidden": x.grad, "weight": w.grad}))
 
 
+def test_tiled_loss_recompute_any_incoming_gradient_and_memory():
+    """--longctx-tiled-loss-recompute: the same loss and gradients as float64 for any incoming gradient, a
+    second backward allowed; forward holds one logits tile and [s, b] statistics, nothing [s, b, h] or [V, h]."""
+    from megatron_longctx.bench.live_memory import LiveTensors
+    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+
+    g = torch.Generator().manual_seed(4)
+    s, b, h, vocab, tiles = 64, 1, 8, 4096, 4
+    hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+    weight = torch.randn(vocab, h, dtype=torch.float64, generator=g) / 4
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.float64)
+    mask[0, 40:] = 0
+    tile = s // tiles * b * vocab * 8  # one [s/tiles, b, V] float64 logits tile
+    for grad_out in (mask / mask.sum(), torch.rand(b, s, dtype=torch.float64, generator=g)):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with LiveTensors() as live:
+            held = (x.view_as(x), w.view_as(w))
+            start = live.peak = live.live
+            loss = tiled_logits_loss(x, w, labels, None, tiles, recompute=True)
+            forward_peak = live.peak - start
+            forward_kept = live.live - start
+            live.peak = live.live
+            (loss * grad_out).sum().backward(retain_graph=True)
+            backward_peak = live.peak - start
+            del held
+        stats = 3 * s * b * 8  # loss, lse (float64 here) and the [s, b] target
+        assert forward_kept <= stats, forward_kept  # the fused path keeps [V, h] + [s, b, h] more
+        assert forward_peak <= stats + tile + tile // 8, (forward_peak, tile)
+        grads = vocab * h * 8 + s * b * h * 8  # the weight's and the hidden states' gradients
+        assert backward_peak <= forward_kept + grads + tile + tile // 8, (backward_peak, grads, tile)
+        exact = _float64_oracle(hidden, weight, labels, grad_out)
+        assert_same(exact, (loss.detach(), {"hidden": x.grad, "weight": w.grad}))
+        x.grad = w.grad = None
+        (loss * grad_out).sum().backward()  # nothing was scaled in place: a second backward is the same
+        assert_same(exact, (loss.detach(), {"hidden": x.grad, "weight": w.grad}))
+
+
+def test_tiled_loss_recompute_accumulates_into_megatron_main_grad():
+    """An untied output weight under Megatron's DDP: d W is added into main_grad (kept from earlier
+    microbatches), grad_added_to_main_grad is set, and no [V, h] buffer of the loss's own is made."""
+    from megatron_longctx.bench.live_memory import LiveTensors
+    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+
+    g = torch.Generator().manual_seed(5)
+    s, b, h, vocab = 48, 2, 8, 2048
+    hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+    weight = torch.randn(vocab, h, dtype=torch.float64, generator=g) / 4
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    grad_out = torch.rand(b, s, dtype=torch.float64, generator=g)
+    exact = _float64_oracle(hidden.float().double(), weight.float().double(), labels, grad_out)
+    x = hidden.float().requires_grad_()
+    w = torch.nn.Parameter(weight.float())
+    earlier = torch.randn(vocab, h, generator=g) / 64  # what earlier microbatches accumulated
+    w.main_grad = earlier.clone()
+    w.grad_added_to_main_grad = False
+    loss = tiled_logits_loss(x, w, labels, None, 3, recompute=True, into_main_grad=True)
+    with LiveTensors() as live:
+        held = (x.view_as(x), w.view_as(w), w.main_grad.view_as(w))  # counted from here on, outside the peak
+        start = live.peak = live.live
+        (loss * grad_out.float()).sum().backward()
+        backward_peak = live.peak - start
+        del held
+    tile = s // 3 * b * vocab * 4
+    # d hidden, a placeholder weight gradient that is never written (Megatron's) and one logits tile; a
+    # float32 accumulator of the loss's own would be one more [V, h]
+    assert backward_peak <= s * b * h * 4 + vocab * h * 4 + tile + vocab * h * 2, backward_peak
+    assert w.grad_added_to_main_grad is True
+    torch.testing.assert_close(w.main_grad.double() - earlier.double(), exact[1]["weight"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), exact[1]["hidden"], rtol=1e-5, atol=1e-6)
+    # without the flag Megatron's hook adds the returned gradient: it is returned, main_grad untouched
+    w2 = torch.nn.Parameter(weight.float())
+    w2.main_grad = earlier.clone()
+    tiled_logits_loss(hidden.float(), w2, labels, None, 3, recompute=True, into_main_grad=True).sum().backward()
+    torch.testing.assert_close(w2.main_grad, earlier)
+    exact = _float64_oracle(hidden.float().double(), weight.float().double(), labels, torch.ones(b, s, dtype=torch.float64))
+    torch.testing.assert_close(w2.grad.double(), exact[1]["weight"], rtol=1e-5, atol=1e-6)
+
+
 def test_tiled_loss_in_bf16_holds_a_float32_tile_and_its_bf16_copy():
     """bf16 hidden and weight: logits, D and D^T h in float32; D^T h is made from the float32 D (no second
     float32 copy of a tile), D @ W from a bf16 copy of it."""
@@ -209,6 +290,9 @@ def _gpt_tiled_matches_plain():
         # module-wrapper route on a plain model, with full recompute on top
         model = build_gpt(**ORACLE, **extra)
         handle = install(model, MemoryConfig(tiled_mlp_tiles=4, tiled_loss_tiles=3, recompute_granularity="full"))
+        assert_same(ref, loss_and_grads(model), rtol=1e-5, atol=1e-7)
+        handle.remove()
+        handle = install(model, MemoryConfig(tiled_loss_tiles=3, tiled_loss_recompute=True))
         assert_same(ref, loss_and_grads(model), rtol=1e-5, atol=1e-7)
         b = batch(seq=ORACLE_SEQ)
         tokens, position_ids = b["tokens"], b["position_ids"]

@@ -60,6 +60,52 @@ def test_tile_attention_matches_whole_sequence_float64(window, key_block, monkey
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def _tiled_kv_cp2():
+    """CP=2 (zigzag shards): the gathered K/V in rank order, filled in place (one sequence), or reordered to
+    natural order (two); output and q/k/v gradients against float64 attention over the whole sequence."""
+    import torch.distributed as dist
+
+    rank, cp = dist.get_rank(), 2
+    block = tiled.KEY_BLOCK
+    tiled.KEY_BLOCK = 4  # several key blocks per shard
+    try:
+        for b in (1, 2):
+            for window in (None, (5, 0)):
+                torch.manual_seed(0)
+                s, hq, hkv, d = 24, 4, 2, 8
+                q, k, v = (torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv))
+                dout = torch.randn(s, b, hq, d, dtype=torch.float64)
+                ref = sequence_attention(q, k, v, True, window, d ** -0.5)
+                ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+                chunk = s // (2 * cp)
+                idx = torch.cat([torch.arange(j * chunk, (j + 1) * chunk) for j in (rank, 2 * cp - 1 - rank)])
+                ql, kl, vl = (x.detach()[idx] for x in (q, k, v))
+                kv = TiledKV(dist.group.WORLD, len(idx), attention_args(ql, True, None, window, None))
+                tiles = tile_bounds(len(idx), 3)
+                for lo, hi in tiles:
+                    kv.store(lo, hi, kl[lo:hi], vl[lo:hi])
+                kv.gather(with_grads=True)
+                assert kv.by_rank == (b == 1)
+                outs, dq = [], torch.zeros_like(ql)
+                for lo, hi in tiles:
+                    q_t = ql[lo:hi].clone().requires_grad_(True)
+                    out_t = kv.attend(q_t, lo, hi)
+                    (dq[lo:hi],) = torch.autograd.grad(out_t, q_t, dout[idx][lo:hi])
+                    outs.append(out_t.detach())
+                kv.reduce_grads()
+                dk, dv = kv.kv_grads(0, len(idx), torch.float64)
+                torch.testing.assert_close(torch.cat(outs), ref.detach()[idx], rtol=1e-10, atol=1e-12)
+                for got, want in zip((dq, dk, dv), ref_grads):
+                    torch.testing.assert_close(got, want[idx], rtol=1e-10, atol=1e-12)
+                kv.release()
+    finally:
+        tiled.KEY_BLOCK = block
+
+
+def test_tile_attention_cp2_matches_whole_sequence_float64():
+    run_ranks(2, _tiled_kv_cp2)
+
+
 class _ToyLayer(torch.nn.Module):
     """Norm-free pre-attention projection, causal attention, output projection and residual; its attention
     takes part in a tiled replay as ContextParallelAttention does."""
@@ -188,6 +234,47 @@ def _cp2_cases():
                 assert stats.offloaded_bytes > 0 and stats.row_fetches > 0 and stats.prefetched_groups == 0
                 assert stats.fetched_bytes == 3 * stats.offloaded_bytes
             handle.remove()
+        _everything_on_cp2(batches)
+
+
+def _everything_on_cp2(batches):
+    """Every memory feature at once (the benchmark's allgather+all), with the logits recomputed: the final
+    norm runs inside the loss one tile at a time, the embedding output is gone before the loss, and the
+    plugin's gradient buffers are shared; same loss and gradients as the plain model."""
+    import gc
+
+    from megatron_longctx.memory import install
+
+    for normalization, lean in (("LayerNorm", False), ("RMSNorm", True)):
+        fields = dict(NO_DROPOUT, normalization=normalization, context_parallel_size=2)
+        ref = loss_and_grads(build_gpt(**fields, spec=_plugin_spec(cp_algorithm="allgather")), batches=batches)
+        model = build_gpt(**fields, spec=_plugin_spec(cp_algorithm="allgather", tiled_mlp_tiles=2))
+        cfg = MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_policy="checkpoint",
+                           offload_target="disk", offload_min_bytes=0, tiled_mlp_tiles=2, tiled_loss_tiles=4,
+                           tiled_loss_recompute=True, lean_norm=lean)
+        handle = install(model, cfg)
+        norm = model.decoder.final_layernorm
+        rows, own_forward = [], norm.forward
+
+        def counted(x, *args, **kwargs):
+            rows.append(x.shape[0])
+            return own_forward(x, *args, **kwargs)
+
+        norm.forward = counted
+        embedded, gone = [], []
+        model.embedding.register_forward_hook(lambda m, i, out: embedded.append(weakref.ref(out)))
+
+        def at_the_loss(*_):  # returns None: a pre-hook's return value would replace the inputs
+            gc.collect()
+            gone.append(all(r() is None for r in embedded))
+
+        model.output_layer.register_forward_pre_hook(at_the_loss)
+        got = loss_and_grads(model, batches=batches)
+        assert_same(ref, got, rtol=1e-5, atol=1e-7)  # Megatron's cross-entropy runs in float32
+        local = ORACLE_SEQ // 2
+        assert rows == [local // 4] * 8 * len(batches), rows  # 4 tiles in forward, 4 in backward, per batch
+        assert gone == [True] * len(batches)  # the embedding output did not live on to the loss
+        handle.remove()
 
 
 def test_tiled_recompute_matches_plain_model_cp2():

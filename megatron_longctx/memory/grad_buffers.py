@@ -1,0 +1,81 @@
+"""The residual stream's gradient in one buffer: a plugin backward writes its input's gradient into the
+buffer of its output's gradient when that buffer is the plugin's own.
+
+Backward through a layer holds the gradient of its output and builds the gradient of its input: two
+hidden-sized tensors per token.  The plugin's token-wise backwards (the tiled replay, the lean norm)
+consume the output gradient one block of rows at a time and write the input gradient of the same rows,
+so they can write it into the rows just consumed, if nothing else can read that buffer.
+
+That is known only for a buffer a plugin backward made for its input's gradient (:func:`own`), when
+nothing but autograd can see that gradient: the input is not a leaf (a leaf's gradient becomes its
+``.grad``), does not retain its gradient and has no tensor hooks, at forward (:class:`Watch`) and, if
+it is still alive, at backward.  The next plugin backward in the chain receives it as its output's
+gradient (:func:`reusable`) and writes into it.  Any other gradient (Megatron's, or one that autograd
+summed from several consumers into a new tensor) is never written.
+
+A parameter gradient summed over tiles can go the same way into Megatron's ``main_grad``
+(:func:`main_grad_of`, :func:`main_grad_placeholder`): its DDP gives each parameter a float32
+``main_grad`` and, once ``grad_added_to_main_grad`` is set, skips adding the gradient autograd hands
+it (Megatron's gradient-accumulation-fusion protocol), so no sum of the plugin's own is held.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+_OWNED = "_longctx_owned_grad"
+
+
+def _private(x: torch.Tensor) -> bool:
+    """Whether only autograd sees the gradient of ``x`` (no ``.grad``, no tensor hooks)."""
+    return x.grad_fn is not None and not x.retains_grad and not x._backward_hooks
+
+
+class Watch:
+    """Taken at forward on a plugin function's input: may its gradient buffer be marked as owned?"""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self._ref: Optional[weakref.ref] = weakref.ref(x) if x.requires_grad and _private(x) else None
+
+    def private(self) -> bool:
+        if self._ref is None:
+            return False
+        x = self._ref()
+        return x is None or _private(x)
+
+
+def own(grad: torch.Tensor, watch: Watch) -> torch.Tensor:
+    """``grad`` (a fresh buffer the caller made for its input's gradient), marked as reusable when the
+    input's gradient is private (see :class:`Watch`)."""
+    if watch.private():
+        setattr(grad, _OWNED, True)
+    return grad
+
+
+def reusable(grad: Optional[torch.Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the incoming output gradient ``grad`` may be overwritten with an input gradient of this
+    shape, dtype and device."""
+    return (grad is not None and getattr(grad, _OWNED, False) and grad.shape == shape and grad.dtype == dtype
+            and grad.device == device and grad.is_contiguous())
+
+
+def main_grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """``param``'s Megatron ``main_grad`` when a gradient may be added into it directly, else ``None``."""
+    main = getattr(param, "main_grad", None)
+    if (main is None or not hasattr(param, "grad_added_to_main_grad") or main.shape != param.shape
+            or main.dtype != torch.float32):
+        return None
+    return main
+
+
+def main_grad_placeholder(param: torch.Tensor) -> torch.Tensor:
+    """What a backward returns for ``param`` once it added the gradient into ``main_grad`` itself: an
+    unread tensor of its shape (zeros under ``zero_out_wgrad``), with ``grad_added_to_main_grad`` set."""
+    make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
+    param.grad_added_to_main_grad = True
+    return make(param.shape, dtype=param.dtype, device=param.device)
