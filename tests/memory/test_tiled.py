@@ -127,18 +127,25 @@ def test_tiled_loss_backward_in_forward_any_incoming_gradient():
     torch.testing.assert_close(w.grad.double(), exact[1]["weight"], rtol=1e-5, atol=1e-6)
 
 
+def _tile_inputs(seed):
+    """hidden [64, 1, 8], weight [4096, 8] (float64), labels and a mask whose last 24 tokens are 0."""
+    g = torch.Generator().manual_seed(seed)
+    s, b, h, vocab = 64, 1, 8, 4096
+    hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
+    weight = torch.randn(vocab, h, dtype=torch.float64, generator=g) / 4
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.float64)
+    mask[0, 40:] = 0
+    return g, hidden, weight, labels, mask
+
+
 def test_tiled_loss_holds_one_logits_tile_at_a_time():
     """Peak bytes the tiled loss creates, forward and backward (masked tokens corrected): one logits tile."""
     from megatron_longctx.bench.live_memory import LiveTensors
     from megatron_longctx.memory.tiled_loss import tiled_logits_loss
 
-    g = torch.Generator().manual_seed(2)
-    s, b, h, vocab, tiles = 64, 1, 8, 4096, 4
-    hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
-    weight = torch.randn(vocab, h, dtype=torch.float64, generator=g) / 4
-    labels = torch.randint(0, vocab, (b, s), generator=g)
-    mask = torch.ones(b, s, dtype=torch.float64)
-    mask[0, 40:] = 0  # a whole tile of tokens whose gradient differs: recomputed tile by tile in backward
+    _, hidden, weight, labels, mask = _tile_inputs(2)  # a whole tile of masked tokens: corrected in backward
+    (s, b, h), vocab, tiles = hidden.shape, weight.shape[0], 4
     grad_out = mask / mask.sum()
     x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     tile = s // tiles * b * vocab * 8  # one [s/tiles, b, V] float64 logits tile
@@ -164,13 +171,8 @@ def test_tiled_loss_recompute_any_incoming_gradient_and_memory():
     from megatron_longctx.bench.live_memory import LiveTensors
     from megatron_longctx.memory.tiled_loss import tiled_logits_loss
 
-    g = torch.Generator().manual_seed(4)
-    s, b, h, vocab, tiles = 64, 1, 8, 4096, 4
-    hidden = torch.randn(s, b, h, dtype=torch.float64, generator=g)
-    weight = torch.randn(vocab, h, dtype=torch.float64, generator=g) / 4
-    labels = torch.randint(0, vocab, (b, s), generator=g)
-    mask = torch.ones(b, s, dtype=torch.float64)
-    mask[0, 40:] = 0
+    g, hidden, weight, labels, mask = _tile_inputs(4)
+    (s, b, h), vocab, tiles = hidden.shape, weight.shape[0], 4
     tile = s // tiles * b * vocab * 8  # one [s/tiles, b, V] float64 logits tile
     for grad_out in (mask / mask.sum(), torch.rand(b, s, dtype=torch.float64, generator=g)):
         x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
