@@ -154,10 +154,11 @@ def test_bench_numeric_flags_are_checked(argv, flag, capsys):
 
 @pytest.mark.parametrize("tokens, layer_tiles, mlp_tiles, loss_tiles", [
     (384, 0, 0, 0),  # a short sequence: fewer than 4 tiles' worth of each, nothing tiled
-    (640, 0, 0, 5),  # the loss tiles from 512 tokens per rank on, the MLP from 1024
-    (1024, 0, 4, 8),  # below 4 layer tiles' worth: plain full recompute, MLP tiles for the whole rank
-    (2048, 4, 2, 16),  # 4 replayed tiles of 512; the MLP tiles each replayed tile
-    (14336, 28, 2, 112),
+    (640, 0, 0, 5),  # the loss tiles from 512 tokens per rank on, the MLP and the layers from 1024
+    (768, 0, 0, 6),  # below 4 layer tiles' worth: plain full recompute
+    (1024, 4, 2, 8),  # 4 replayed tiles of 256; the MLP tiles each replayed tile
+    (2048, 8, 2, 16),
+    (14336, 56, 2, 112),
 ])
 def test_tile_counts_follow_the_sequence(tokens, layer_tiles, mlp_tiles, loss_tiles):
     from megatron_longctx.bench.configs import tiles_for
@@ -166,5 +167,6 @@ def test_tile_counts_follow_the_sequence(tokens, layer_tiles, mlp_tiles, loss_ti
     options = dict(tiles_for(variant, tokens).longctx_options)
     assert (options["recompute_tiles"], options["tiled_mlp_tiles"], options["tiled_loss_tiles"]) == (
         layer_tiles, mlp_tiles, loss_tiles)
+    assert options.get("tiled_loss_recompute", False) == bool(loss_tiles)  # only with the tiled loss on
     ring = dict(tiles_for(by_name_of(default_configs(2))["ring+all"].variant, tokens).longctx_options)
     assert "recompute_tiles" not in ring and ring["tiled_mlp_tiles"] == (tokens // 256 if tokens >= 1024 else 0)
