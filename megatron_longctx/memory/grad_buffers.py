@@ -79,3 +79,29 @@ def main_grad_placeholder(param: torch.Tensor) -> torch.Tensor:
     make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
     param.grad_added_to_main_grad = True
     return make(param.shape, dtype=param.dtype, device=param.device)
+
+
+class ParamGrads:
+    """Parameter gradients summed over tiles: straight into Megatron's ``main_grad`` where its DDP allows
+    (no sum of our own alongside each tile's gradients), else summed here; :meth:`result` is what the
+    backward returns for them."""
+
+    def __init__(self, params: tuple) -> None:
+        self.params = params
+        self.mains = [main_grad_of(p) for p in params]
+        self.sums: list = [None] * len(params)
+        self.added = [False] * len(params)
+
+    def add(self, grads: tuple) -> None:
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if self.mains[i] is not None:
+                self.mains[i].add_(g)
+                self.added[i] = True
+            else:
+                self.sums[i] = g if self.sums[i] is None else self.sums[i].add_(g)
+
+    def result(self) -> list:
+        return [main_grad_placeholder(p) if added else total
+                for p, added, total in zip(self.params, self.added, self.sums)]

@@ -185,7 +185,7 @@ def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, wei
     v_start = rank * weight.shape[0]
     grad_hidden = torch.empty_like(hidden)  # [s, b, h]
     grad_weight = _weight_grad_target(args, weight)  # [V/tp, h] float32
-    grad_norm: list = [None] * len(norm_params)
+    grad_norm = grad_buffers.ParamGrads(norm_params)
     for start, end in _bounds(hidden.shape[0], args.num_tiles):
         x = h = hidden[start:end]  # [t, b, h]
         if args.norm is not None:
@@ -204,15 +204,13 @@ def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, wei
         if args.norm is not None:
             got = torch.autograd.grad(normed, (x, *norm_params), grad_h, allow_unused=True)
             grad_hidden[start:end] = got[0]
-            for i, g in enumerate(got[1:]):
-                if g is not None:
-                    grad_norm[i] = g if grad_norm[i] is None else grad_norm[i].add_(g)
+            grad_norm.add(got[1:])
             del normed, got
     if args.reduce_grad_input and tp > 1:
         dist.all_reduce(grad_hidden, group=args.tp_group)  # [s, b, h]
     if grad_weight is getattr(weight, "main_grad", None):
-        return (grad_hidden, grad_buffers.main_grad_placeholder(weight), *grad_norm)
-    return (grad_hidden, grad_weight.to(weight.dtype), *grad_norm)
+        return (grad_hidden, grad_buffers.main_grad_placeholder(weight), *grad_norm.result())
+    return (grad_hidden, grad_weight.to(weight.dtype), *grad_norm.result())
 
 
 class TiledLogitsLoss(torch.autograd.Function):

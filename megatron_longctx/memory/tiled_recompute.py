@@ -178,31 +178,6 @@ def _forward(call: _TiledCall, x: torch.Tensor) -> list[torch.Tensor]:
     return outs
 
 
-class _ParamGrads:
-    """The layer's parameter gradients summed over the tiles: straight into Megatron's ``main_grad`` where
-    its DDP allows (no sum of our own alongside each tile's gradients), else summed here."""
-
-    def __init__(self, params: tuple) -> None:
-        self.params = params
-        self.mains = [grad_buffers.main_grad_of(p) for p in params]
-        self.sums: list = [None] * len(params)
-        self.added = [False] * len(params)
-
-    def add(self, grads: tuple) -> None:
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            if self.mains[i] is not None:
-                self.mains[i].add_(g)
-                self.added[i] = True
-            else:
-                self.sums[i] = g if self.sums[i] is None else self.sums[i].add_(g)
-
-    def result(self) -> list:
-        return [grad_buffers.main_grad_placeholder(p) if added else total
-                for p, added, total in zip(self.params, self.added, self.sums)]
-
-
 def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, grads: tuple) -> tuple:
     """Passes 1-3 with gradients into ``dx`` (the layer input's shape): (dx, *parameter gradients).
 
@@ -210,7 +185,7 @@ def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, gra
     back one tile at a time).  Pass 2 writes every tile's rows of ``dx`` after the tile's rows of the
     output gradient are consumed, so ``dx`` may be that gradient's buffer (:mod:`grad_buffers`)."""
     replay = _collect(call, rows, dx.shape[0], with_grads=True)
-    dparams = _ParamGrads(params)
+    dparams = grad_buffers.ParamGrads(params)
     tiles = tile_bounds(dx.shape[0], call.num_tiles)
     replay.mode = ATTEND
     for lo, hi in tiles:
