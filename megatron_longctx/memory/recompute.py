@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -189,6 +190,7 @@ class _Recomputable:
     fn: Callable
     inputs: tuple
     rng: RngSnapshot
+    output: Callable[[], Optional[torch.Tensor]]  # weak reference to the registered output
     value: Optional[torch.Tensor] = None
 
 
@@ -198,16 +200,29 @@ class DiscardOutputPacker:
     Used for norms: their output is saved by the next linear; the norm's input is already kept for
     the norm's own backward, so the recipe costs nothing and the output is recomputed once, when the
     consumer's backward first unpacks it.
+
+    A saved tensor matches a registered output only while that output is alive and the two have the
+    same storage, offset, shape, strides, dtype and version: the same values.  Once the output is freed
+    its memory can hold another tensor of the same shape (the next activation), which must be saved as
+    itself, so a freed output's entry is dropped.
     """
 
     def __init__(self) -> None:
         self._outputs: dict[tuple, _Recomputable] = {}
 
     def register(self, output: torch.Tensor, fn: Callable, inputs: tuple, rng: RngSnapshot) -> None:
-        self._outputs[_identity(output)] = _Recomputable(fn, tuple(i.detach() for i in inputs), rng)
+        key = _identity(output)
+        recipe = _Recomputable(fn, tuple(i.detach() for i in inputs), rng, weakref.ref(output))
+        self._outputs[key] = recipe
+        weakref.finalize(output, self._forget, key, recipe)
+
+    def _forget(self, key: tuple, recipe: _Recomputable) -> None:
+        if self._outputs.get(key) is recipe:
+            del self._outputs[key]
 
     def pack(self, tensor: torch.Tensor) -> Optional[_Recomputable]:
-        return self._outputs.get(_identity(tensor))
+        recipe = self._outputs.get(_identity(tensor))
+        return recipe if recipe is not None and recipe.output() is not None else None
 
     def unpack(self, recipe: _Recomputable) -> torch.Tensor:
         if recipe.value is None:

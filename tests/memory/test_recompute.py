@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megatron_longctx.memory import MemoryConfig
-from megatron_longctx.memory.recompute import RngSnapshot, checkpoint
+from megatron_longctx.memory import hooks
+from megatron_longctx.memory.recompute import DiscardOutputPacker, RngSnapshot, checkpoint, discard_output
 from tests.dist import megatron_parallel, run_ranks
 from tests.gpt_kit import ORACLE, assert_same, build_gpt, cpu, loss_and_grads
 
@@ -70,6 +71,40 @@ def test_rng_snapshot_rewinds_the_cpu_generator():
     a = torch.rand(4)
     snap.restore()
     assert torch.equal(a, torch.rand(4))
+
+
+def _norm_then_two_linears(x, norm, lin1, lin2):
+    """The output, and whether the second linear's input took the freed norm output's memory."""
+    h = norm(x)
+    a = lin1(h)  # saves h: the recipe, not the values
+    address = h.data_ptr()
+    del h  # freed: the allocator hands its memory to the next tensor of its size
+    g = torch.tanh(a)  # same shape, version 0
+    return lin2(g), g.data_ptr() == address
+
+
+def test_a_freed_norm_output_is_not_mistaken_for_the_tensor_at_its_address():
+    """The discard packer matches a saved tensor by storage, shape and version; a norm output that died
+    must not claim the next activation allocated where it lived (it would be recomputed as the norm)."""
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(32, dtype=torch.float64)
+    lin1, lin2 = (torch.nn.Linear(32, 32, dtype=torch.float64) for _ in range(2))
+    reused = 0
+    for _ in range(200):  # until the allocator has reused that memory a few times
+        if reused >= 3:
+            break
+        x = torch.randn(16, 32, dtype=torch.float64, requires_grad=True)
+        params = [x, *lin1.parameters(), *lin2.parameters()]
+        ref = torch.autograd.grad(_norm_then_two_linears(x, norm, lin1, lin2)[0].square().sum(), params)
+        packer = DiscardOutputPacker()
+        remove = discard_output(norm, packer)
+        with hooks.packing(packer):
+            out, same_address = _norm_then_two_linears(x, norm, lin1, lin2)
+        remove()
+        reused += same_address
+        for r, g in zip(ref, torch.autograd.grad(out.square().sum(), params)):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    assert reused, "the allocator never reused the norm output's memory: the case was not exercised"
 
 
 # ----------------------------------------------------------------------------- Megatron GPTModel
