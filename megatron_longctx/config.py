@@ -212,6 +212,20 @@ class MemoryConfig:
                           "of running the tile's backward inside forward; nothing hidden- or vocabulary-sized is "
                           "held from forward to backward but the hidden states"},
     )
+    offload_residual_grad: bool = field(
+        default=False,
+        metadata={"help": "keep the residual stream's gradient on the offload target between tiled layer replays "
+                          "(and the recomputing tiled loss), one tile on the device at a time, not the whole "
+                          "[s, b, h] beside each layer's gathered K/V; needs --longctx-recompute-tiles > 1 and an "
+                          "offload policy"},
+    )
+    tiled_output_over_input: bool = field(
+        default=False,
+        metadata={"help": "a layer replayed in tiles writes its output over its input's memory once the checkpoint "
+                          "offload holds the input (an in-place residual: the input tensor then holds the output, so "
+                          "nothing may keep intermediate hidden states); needs --longctx-recompute-tiles > 1 and "
+                          "--longctx-offload-policy checkpoint"},
+    )
     lean_norm: bool = field(
         default=False,
         metadata={"help": "RMSNorm keeps only its input and 1/rms for backward, as fused norms do "
@@ -236,7 +250,7 @@ class MemoryConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise flag_error(name, f"got {value!r}; give an integer >= 0")
-        for name in ("lean_norm", "tiled_loss_recompute"):
+        for name in ("lean_norm", "tiled_loss_recompute", "offload_residual_grad", "tiled_output_over_input"):
             if not isinstance(getattr(self, name), bool):
                 raise flag_error(name, f"got {getattr(self, name)!r}; give true or false")
         if not isinstance(self.offload_max_inflight, int) or self.offload_max_inflight < 1:
@@ -253,6 +267,15 @@ class MemoryConfig:
         if self.tiled_loss_recompute and self.tiled_loss_tiles <= 1:
             raise flag_error("tiled_loss_recompute", "changes how the tiled loss runs; also set "
                                                      "--longctx-tiled-loss-tiles > 1, or drop it")
+        if self.offload_residual_grad and (self.recompute_tiles <= 1 or not self.offload_enabled):
+            raise flag_error("offload_residual_grad", "streams the gradient between layers replayed in tiles to the "
+                                                      "offload target; also set --longctx-recompute-tiles > 1 and "
+                                                      "--longctx-offload-policy checkpoint, or drop it")
+        if self.tiled_output_over_input and (self.recompute_tiles <= 1 or self.offload_policy != "checkpoint"):
+            raise flag_error("tiled_output_over_input", "writes a tiled layer's output over its input once the "
+                                                        "checkpoint offload holds the input; also set "
+                                                        "--longctx-recompute-tiles > 1 and --longctx-offload-policy "
+                                                        "checkpoint, or drop it")
         if self.offload_policy == "modules" and not self.offload_modules:
             raise flag_error("offload_modules", "offload_policy=modules needs at least one module name")
         if self.recompute_granularity == "selective" and not self.recompute_modules:

@@ -67,6 +67,9 @@ def tiles_for(variant: Variant, tokens_per_rank: int) -> Variant:
             options[key] = tiles if tiles >= MIN_TILES else 0
     if not options.get("tiled_loss_tiles"):
         options.pop("tiled_loss_recompute", None)  # the plain loss: nothing to recompute
+    if options.get("recompute_tiles", 0) <= 1:
+        options.pop("offload_residual_grad", None)  # whole layers: their gradients are whole anyway
+        options.pop("tiled_output_over_input", None)
     if options.get("recompute_tiles", 0) > 1 and options.get("tiled_mlp_tiles"):
         # Inside a replayed tile the MLP sees that tile only: its tiles are sized for it.
         layer_tile = -(-tokens_per_rank // options["recompute_tiles"])
@@ -132,10 +135,13 @@ def default_configs(cp: int) -> list[BenchConfig]:
                f"(<= {MLP_TILE_TOKENS} / {LOSS_TILE_TOKENS} tokens per tile, from {MIN_TILES} tiles' worth on)"),
         plugin("ring+all", "ring", offload_options() + TILED_LEAN,
                f"plugin, CP={cp}, ring, recompute + checkpoint offload + tiled MLP/loss (logits recomputed)"),
-        plugin("allgather+all", "allgather", offload_options() + TILED_LEAN + (("recompute_tiles", 4),),
+        plugin("allgather+all", "allgather",
+               offload_options() + TILED_LEAN + (("recompute_tiles", 4), ("offload_residual_grad", True),
+                                                 ("tiled_output_over_input", True)),
                f"plugin, CP={cp}, all-gather, recompute in sequence tiles (<= {LAYER_TILE_TOKENS} tokens per "
-               f"tile) + checkpoint offload + tiled MLP/loss (logits recomputed); each tiles from {MIN_TILES} tiles' "
-               "worth on"),
+               f"tile, outputs over inputs) + checkpoint offload + residual gradient offload + tiled MLP/loss "
+               f"(logits recomputed); "
+               f"each tiles from {MIN_TILES} tiles' worth on"),
     ]
 
 

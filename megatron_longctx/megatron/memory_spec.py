@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from megatron_longctx.config import MemoryConfig
-from megatron_longctx.memory import hooks
+from megatron_longctx.memory import grad_stream, hooks
 from megatron_longctx.memory.offload import ActivationOffloader
 from megatron_longctx.memory.recompute import (
     SELECTIVE_TARGETS,
@@ -160,7 +160,8 @@ def _scope_module(module: torch.nn.Module, name: str) -> Callable[[], None]:
 
 
 def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConfig, recompute: bool,
-                offloader: Optional[ActivationOffloader], discard: Optional[DiscardOutputPacker]) -> Callable[[], None]:
+                offloader: Optional[ActivationOffloader], discard: Optional[DiscardOutputPacker],
+                grad_target: Optional[grad_stream.Target] = None) -> Callable[[], None]:
     original = layer.forward
     offload_here = offloader is not None and (cfg.offload_policy != "checkpoint" or recompute)
 
@@ -176,7 +177,9 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
                 stack.enter_context(hooks.packing(discard))
             try:
                 if recompute and cfg.recompute_tiles > 1:
-                    return tiled_checkpoint(original, cfg.recompute_tiles, layer.parameters, *args, **kwargs)
+                    return tiled_checkpoint(original, cfg.recompute_tiles, layer.parameters, *args,
+                                            grad_target=grad_target, output_over_input=cfg.tiled_output_over_input,
+                                            **kwargs)
                 return checkpoint(original, *args, **kwargs) if recompute else original(*args, **kwargs)
             finally:
                 if discard is not None:
@@ -184,6 +187,23 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
 
     layer.forward = forward
     return lambda: layer.__dict__.pop("forward", None) if layer.__dict__.get("forward") is forward else None
+
+
+def _refuse_intermediate_outputs(decoder: torch.nn.Module) -> Callable[[], None]:
+    """A decoder forward asked for its layers' hidden states (``extract_layer_indices``) is an error while
+    layers write their outputs over their inputs: those tensors would hold later layers' values."""
+    original = decoder.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("extract_layer_indices"):
+            raise ValueError("--longctx-tiled-output-over-input: the decoder was asked for intermediate hidden "
+                             "states (extract_layer_indices), which the next layer overwrites; drop the flag for "
+                             "this model")
+        return original(*args, **kwargs)
+
+    decoder.forward = forward
+    return lambda: decoder.__dict__.pop("forward", None) if decoder.__dict__.get("forward") is forward else None
 
 
 def release_embedding_output(gpt_model: Any) -> Callable[[], None]:
@@ -262,6 +282,9 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
         offloader = ActivationOffloader(cfg, lambda: (p for chunk in _unwrap(model) for p in chunk.parameters()),
                                         len(layers), chunk_starts=starts)
     handle = MemoryHandle(cfg=cfg, layers=layers, offloader=offloader)
+    grad_target = None
+    if cfg.offload_residual_grad:
+        grad_target = grad_stream.Target(offloader.disk_dir if cfg.offload_target == "disk" else None)
     if cfg.tiled_mlp_tiles > 1:
         tiled = tiled_mlp_type()
         mlps = [getattr(layer, "mlp", None) for layer in layers]
@@ -274,9 +297,15 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     if cfg.tiled_loss_tiles > 1:
         for chunk in chunks:
             if getattr(chunk, "post_process", False) and hasattr(chunk, "compute_language_model_loss"):
-                handle.removers.append(install_tiled_loss(chunk, cfg.tiled_loss_tiles, cfg.tiled_loss_recompute))
+                handle.removers.append(install_tiled_loss(chunk, cfg.tiled_loss_tiles, cfg.tiled_loss_recompute,
+                                                          grad_target))
     if cfg.lean_norm:
         handle.removers.extend(install_lean_norms(chunks))
+    if cfg.tiled_output_over_input:
+        for chunk in chunks:
+            decoder = getattr(chunk, "decoder", None)
+            if decoder is not None:
+                handle.removers.append(_refuse_intermediate_outputs(decoder))
     if cfg.offload_policy == "checkpoint":
         for chunk in chunks:
             if getattr(chunk, "pre_process", False):
@@ -299,6 +328,6 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
         recomputed = set(full_recompute_layers(len(layers), cfg.recompute_method, cfg.recompute_num_layers))
     for index, layer in enumerate(layers):
         handle.removers.append(_wrap_layer(layer, index, index in starts, cfg, index in recomputed,
-                                           offloader, discard))
+                                           offloader, discard, grad_target))
     return handle
 

@@ -122,6 +122,17 @@ def pack_rows(tensor: torch.Tensor) -> Optional[tuple]:
     return None
 
 
+def wait_stored(item: tuple) -> bool:
+    """Wait until the tensor :func:`pack_rows` packed as ``item`` may be overwritten (its bytes are off
+    its memory); False when its packer cannot tell."""
+    packer, packed = item
+    wait = getattr(packer, "wait_stored", None)
+    if wait is None:
+        return False
+    wait(packed)
+    return True
+
+
 def unpack_rows(item: tuple, lo: int, hi: int) -> torch.Tensor:
     """Rows ``[lo, hi)`` of a tensor :func:`pack_rows` packed."""
     packer, packed = item

@@ -102,7 +102,7 @@ class _Stored:
         self._path = path
         if self.on_device:  # staged through a pinned buffer; the worker waits for the copy, then writes
             assert staging is not None
-            event = self._copy_off(src, staging)
+            event = self._copied = self._copy_off(src, staging)
             self._write = self._off.submit_io(_write_staged, self._off, event, staging, path)
         else:  # a CPU process: the worker writes the tensor itself and then lets it go
             self._write = self._off.submit_io(write_file, src, path)
@@ -337,7 +337,7 @@ class ActivationOffloader:
                 return None
             if whole:
                 owner = t._base if t._base is not None else t  # a view's Python object may be a temporary
-                self._shared[storage.data_ptr()] = (weakref.ref(owner), weakref.ref(stored))
+                self._shared[storage.data_ptr()] = (weakref.ref(owner), weakref.ref(stored), owner._version)
             offset = t.storage_offset() if whole else 0
             stride = tuple(t.stride()) if whole else _contiguous_stride(t.shape)
         else:
@@ -362,6 +362,15 @@ class ActivationOffloader:
         self.stats.row_fetches += 1
         return data.view(view.dtype).view(hi - lo, *view.size[1:])
 
+    def wait_stored(self, view: _View) -> None:
+        """Return once the bytes :meth:`pack` took are off the tensor's memory (the copy or the file write
+        has read them), so that memory may be overwritten; a failed write raises here."""
+        stored = view.stored
+        if stored._copied is not None:  # a device tensor: later work on the compute stream follows the copy
+            self.ops.wait_event(self.ops.current(stored.device), stored._copied)
+        elif stored.write is not None:  # a CPU tensor the I/O worker writes to its file
+            stored.write.result()
+
     def unpack(self, view: _View) -> torch.Tensor:
         stored = view.stored
         if self.cfg.offload_prefetch:
@@ -379,9 +388,12 @@ class ActivationOffloader:
         entry = self._shared.get(storage.data_ptr())
         if entry is None:
             return None
-        ref, stored_ref = entry
+        ref, stored_ref, version = entry
         alive, stored = ref(), stored_ref()
-        if alive is None or stored is None or alive.untyped_storage().data_ptr() != storage.data_ptr():
+        # the stored bytes are this storage's only while its owner lives unmodified (an in-place write since,
+        # such as a tiled layer's output over its input, makes them another tensor's)
+        if (alive is None or stored is None or alive.untyped_storage().data_ptr() != storage.data_ptr()
+                or alive._version != version):
             del self._shared[storage.data_ptr()]
             return None
         return stored

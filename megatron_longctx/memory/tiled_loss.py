@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_longctx.memory import grad_buffers
+from megatron_longctx.memory import grad_buffers, grad_stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,7 @@ class TiledLossArgs:
     recompute: bool = False  # backward recomputes the logits (forward keeps hidden and lse only)
     into_main_grad: bool = False  # recompute: the weight's gradient accumulates into its Megatron main_grad
     norm: Optional[Callable] = None  # recompute: the final norm, applied per tile (hidden is its input)
+    grad_target: Optional[grad_stream.Target] = None  # recompute: d hidden may stream (--longctx-offload-residual-grad)
 
 
 def _group_size_rank(group: Any) -> tuple[int, int]:
@@ -173,17 +174,19 @@ def _weight_grad_target(args: TiledLossArgs, weight: torch.Tensor) -> torch.Tens
 
 def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.Tensor,
                                   target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
-                                  norm_params: tuple = ()) -> tuple:
+                                  norm_params: tuple = (),
+                                  stream: Optional[grad_stream.GradStream] = None) -> tuple:
     """Gradients of ``sum(grad_loss * loss)`` with each tile's logits recomputed from ``hidden`` and ``lse``:
     ``(d hidden, d weight, *d norm_params)``.
 
     Exact for any ``grad_loss`` (each token's row of D is scaled by its own gradient).  With
     ``args.norm`` each tile's norm runs again and backpropagates its share into ``hidden`` (the norm's
-    input) and ``norm_params``.
+    input) and ``norm_params``.  With ``stream`` the rows of ``d hidden`` are written there, one tile at a
+    time, and it is returned in place of a tensor (:mod:`grad_stream`).
     """
     tp, rank = _group_size_rank(args.tp_group)
     v_start = rank * weight.shape[0]
-    grad_hidden = torch.empty_like(hidden)  # [s, b, h]
+    grad_hidden = torch.empty_like(hidden) if stream is None else None  # [s, b, h]
     grad_weight = _weight_grad_target(args, weight)  # [V/tp, h] float32
     grad_norm = grad_buffers.ParamGrads(norm_params)
     for start, end in _bounds(hidden.shape[0], args.num_tiles):
@@ -196,17 +199,24 @@ def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, wei
         probs = _tile_logits(h, weight).sub_(lse[start:end].unsqueeze(-1)).exp_()  # [t, b, V/tp]
         grad_logits = _softmax_minus_onehot(probs, target[start:end], v_start)
         grad_logits.mul_(grad_loss[start:end].unsqueeze(-1))  # [t, b, V/tp]: g_t D_t
-        grad_h = grad_hidden[start:end] if args.norm is None else torch.empty_like(h)  # [t, b, h]
+        grad_h = grad_hidden[start:end] if args.norm is None and stream is None else torch.empty_like(h)  # [t, b, h]
         torch.matmul(grad_logits.to(hidden.dtype), weight, out=grad_h)  # [t, b, h]
         grad_weight.addmm_(grad_logits.reshape(-1, weight.shape[0]).t(),
                            h.reshape(-1, h.shape[-1]).to(grad_weight.dtype))  # [V/tp, h]
         del probs, grad_logits  # one [t, b, V/tp] tile alive at a time
         if args.norm is not None:
             got = torch.autograd.grad(normed, (x, *norm_params), grad_h, allow_unused=True)
-            grad_hidden[start:end] = got[0]
+            grad_h = got[0]
             grad_norm.add(got[1:])
             del normed, got
-    if args.reduce_grad_input and tp > 1:
+        if stream is not None:
+            stream.write(start, end, grad_h)
+        elif args.norm is not None:
+            grad_hidden[start:end] = grad_h
+        del grad_h
+    if stream is not None:
+        grad_hidden = stream
+    elif args.reduce_grad_input and tp > 1:
         dist.all_reduce(grad_hidden, group=args.tp_group)  # [s, b, h]
     if grad_weight is getattr(weight, "main_grad", None):
         return (grad_hidden, grad_buffers.main_grad_placeholder(weight), *grad_norm.result())
@@ -220,6 +230,9 @@ class TiledLogitsLoss(torch.autograd.Function):
         loss, lse, d_hidden, d_weight = tiled_loss_forward(args, hidden, weight, target)
         ctx.args, ctx.norm_params = args, norm_params
         ctx.watch = grad_buffers.Watch(hidden)
+        tp = _group_size_rank(args.tp_group)[0]
+        streams = args.grad_target is not None and args.recompute and not (args.reduce_grad_input and tp > 1)
+        ctx.consumer = grad_stream.consumer_of(hidden, ctx.watch) if streams else None
         if args.recompute:
             ctx.save_for_backward(hidden, weight, target, lse)
         else:
@@ -230,9 +243,14 @@ class TiledLogitsLoss(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
         if ctx.args.recompute:
             hidden, weight, target, lse = ctx.saved_tensors
+            stream = None
+            if ctx.consumer is not None and ctx.watch.private():
+                stream = ctx.args.grad_target.new(hidden.shape, hidden.dtype, hidden.device)
             grad_hidden, grad_weight, *grad_norm = tiled_loss_backward_recompute(
-                ctx.args, hidden, weight, target, lse, grad_loss.to(lse.dtype), ctx.norm_params)
-            return None, grad_buffers.own(grad_hidden, ctx.watch), grad_weight, None, *grad_norm
+                ctx.args, hidden, weight, target, lse, grad_loss.to(lse.dtype), ctx.norm_params, stream)
+            grad_hidden = (grad_buffers.own(grad_hidden, ctx.watch) if stream is None
+                           else grad_stream.hand_over(ctx.consumer, stream))
+            return None, grad_hidden, grad_weight, None, *grad_norm
         if getattr(ctx, "done", False):  # the saved D @ W and D^T h were scaled in place by the first backward
             raise RuntimeError("tiled logits+loss: a second backward through the same graph (retain_graph=True) is "
                                "not supported; run the forward again, set --longctx-tiled-loss-recompute, or set "
@@ -247,7 +265,8 @@ class TiledLogitsLoss(torch.autograd.Function):
 def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels: torch.Tensor, tp_group: Any,
                       num_tiles: int, *, reduce_grad_input: bool = True, recompute: bool = False,
                       into_main_grad: bool = False, norm: Optional[torch.nn.Module] = None,
-                      norm_forward: Optional[Callable] = None) -> torch.Tensor:
+                      norm_forward: Optional[Callable] = None,
+                      grad_target: Optional[grad_stream.Target] = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ output_weight.T`` against ``labels``, over ``num_tiles`` sequence tiles.
 
     Args:
@@ -268,6 +287,8 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
         norm: with ``recompute``, a token-wise norm module applied to ``hidden`` first, one tile at a time
             in forward and again in backward: its ``[s, b, h]`` output is never kept (``hidden`` is the
             norm's input).  ``norm_forward`` calls it (default: the module itself).
+        grad_target: with ``recompute``, the gradient of ``hidden`` goes there a tile at a time when the
+            node that receives it reads streams (a tiled layer replay, :mod:`grad_stream`).
     Returns:
         per-token loss ``[b, s]`` float32, as Megatron's ``compute_language_model_loss``.
     """
@@ -280,7 +301,8 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
         raise ValueError("tiled_logits_loss: a norm is applied per tile only with recompute=True")
     args = TiledLossArgs(tp_group=tp_group, num_tiles=num_tiles, reduce_grad_input=reduce_grad_input,
                          recompute=recompute, into_main_grad=recompute and into_main_grad,
-                         norm=None if norm is None else (norm_forward or norm))
+                         norm=None if norm is None else (norm_forward or norm),
+                         grad_target=grad_target if recompute else None)
     target = labels.transpose(0, 1).contiguous()  # [s, b]
     norm_params = () if norm is None else tuple(p for p in norm.parameters() if p.requires_grad)
     loss = TiledLogitsLoss.apply(args, hidden, output_weight, target, *norm_params)  # [s, b]
@@ -302,7 +324,8 @@ def _pass_through(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bool = False) -> Callable[[], None]:
+def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bool = False,
+                       grad_target: Optional[grad_stream.Target] = None) -> Callable[[], None]:
     """Make ``gpt_model(..., labels=...)`` compute its loss with :func:`tiled_logits_loss`.
 
     During a forward with labels, the model's ``output_layer`` hands the final hidden states through
@@ -356,7 +379,8 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bo
         def loss(labels: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
             return tiled_logits_loss(hidden, seen["weight"], labels, getattr(output_layer, "tp_group", None),
                                      num_tiles, reduce_grad_input=seen["reduce"], recompute=recompute,
-                                     into_main_grad=seen["own_weight"], norm=final_norm, norm_forward=norm_forward)
+                                     into_main_grad=seen["own_weight"], norm=final_norm, norm_forward=norm_forward,
+                                     grad_target=grad_target)
 
         output_layer.forward = pass_hidden
         gpt_model.compute_language_model_loss = loss

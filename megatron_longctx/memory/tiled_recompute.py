@@ -14,8 +14,10 @@ query tile can see all keys.  :func:`tiled_checkpoint` replays in three passes, 
 3. *K/V gradients*: dK/dV are reduce-scattered to their owners, and each tile runs up to its core
    attention again to backpropagate its dK/dV into the tile's input and the parameters.
 
-Forward is passes 1 and 2 without gradients.  Peak memory per token is then the layer's input and
-output gradients, the gathered K/V and dK/dV, and one tile's activations (FPDT, Yao et al. 2024,
+Forward is passes 1 and 2 without gradients (its output may be written over its input,
+``output_over_input``).  Peak memory per token is then the layer's input and output gradients (one
+buffer, or none on the device when they stream, :mod:`grad_stream`), the gathered K/V and dK/dV, and one
+tile's activations (FPDT, Yao et al. 2024,
 arXiv:2408.16978, runs a layer in sequence chunks the same way); the layer input too, unless the
 checkpoint offload holds it (:func:`hooks.pack_rows`: each pass reads it back one tile at a time).  Parameter gradients are summed
 over the tiles (straight into Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`) and
@@ -39,7 +41,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_longctx.memory import grad_buffers, hooks
+from megatron_longctx.memory import grad_buffers, grad_stream, hooks
 from megatron_longctx.memory.recompute import RngSnapshot, _SwapRng
 
 COLLECT = "collect"  # store the tile's K/V, stop at the core attention
@@ -121,6 +123,8 @@ class _TiledCall:
     kwargs: dict
     num_tiles: int
     rng: RngSnapshot
+    grad_target: Optional[grad_stream.Target] = None  # --longctx-offload-residual-grad: where dx may stream
+    output_over_input: bool = False  # --longctx-tiled-output-over-input
     out_spec: Any = None
     token_slots: Optional[list] = None  # output leaves with one row per token (concatenated over tiles)
     other_leaves: Optional[list] = None  # the remaining output leaves, as the first tile returned them
@@ -157,8 +161,12 @@ def _collect(call: _TiledCall, rows: Rows, seq_len: int, with_grads: bool) -> _R
     return replay
 
 
-def _forward(call: _TiledCall, x: torch.Tensor) -> list[torch.Tensor]:
-    """Passes 1 and 2 without gradients: the layer's outputs, one tile at a time."""
+def _forward(call: _TiledCall, x: torch.Tensor, over_input: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
+    """Passes 1 and 2 without gradients: the layer's outputs, one tile at a time.
+
+    ``over_input``: the first output, when it has the input's shape and dtype, is written over ``x``
+    (each tile's rows once the tile has run; pass 1 has read every row before); called once before the
+    first write, it returns when ``x``'s memory may be overwritten."""
     replay = _collect(call, lambda lo, hi: x[lo:hi], x.shape[0], with_grads=False)
     replay.mode = ATTEND
     outs: list[torch.Tensor] = []
@@ -171,22 +179,83 @@ def _forward(call: _TiledCall, x: torch.Tensor) -> list[torch.Tensor]:
                 call.token_slots = [i for i, o in enumerate(leaves)
                                     if isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == hi - lo]
                 call.other_leaves = [None if i in call.token_slots else o for i, o in enumerate(leaves)]
-                outs = [leaves[i].new_empty((x.shape[0], *leaves[i].shape[1:])) for i in call.token_slots]
+                outs = [leaves[i].new_empty((x.shape[0], *leaves[i].shape[1:])) if j or over_input is None
+                        or (leaves[i].shape[1:], leaves[i].dtype) != (x.shape[1:], x.dtype) else None
+                        for j, i in enumerate(call.token_slots)]
+                if outs and outs[0] is None:
+                    over_input()
+                    outs[0] = x
             for out, i in zip(outs, call.token_slots):
                 out[lo:hi] = leaves[i]
     replay.state.release()
     return outs
 
 
-def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, grads: tuple) -> tuple:
-    """Passes 1-3 with gradients into ``dx`` (the layer input's shape): (dx, *parameter gradients).
+class _OutputGrad:
+    """One output's gradient, read a tile of rows at a time: a tensor, a stream, or a stream plus the
+    gradient autograd added to it (:mod:`grad_stream`)."""
+
+    def __init__(self, dense: Optional[torch.Tensor], stream: Optional[grad_stream.GradStream]) -> None:
+        self.dense, self.stream = dense, stream
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        if self.stream is None:
+            return self.dense[lo:hi]
+        rows = self.stream.read(lo, hi)
+        return rows if self.dense is None else rows.add_(self.dense[lo:hi])
+
+
+class _InputGrad:
+    """Where the layer input's gradient goes: pass 2 puts each tile's rows, pass 3 adds the K/V path's.
+
+    ``dense``: a device buffer (it may be the output gradient's, :mod:`grad_buffers`).  ``stream``: pass 2
+    writes the rows there instead (in place of the output gradient's rows when that stream came in);
+    ``onward``: pass 3 leaves them there for the next backward, else it moves them into a device buffer
+    made only then, once the gathered K/V and dK/dV are gone.
+    """
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                 dense: Optional[torch.Tensor] = None, stream: Optional[grad_stream.GradStream] = None,
+                 onward: bool = False) -> None:
+        self.like = (shape, dtype, device)
+        self.dense, self.stream, self.onward = dense, stream, onward
+
+    def put(self, lo: int, hi: int, rows: Optional[torch.Tensor]) -> None:
+        if self.stream is not None:
+            shape, dtype, device = self.like
+            self.stream.write(lo, hi, rows if rows is not None else torch.zeros((hi - lo, *shape[1:]), dtype=dtype))
+        elif rows is not None:
+            self.dense[lo:hi] = rows
+        else:
+            self.dense[lo:hi].zero_()
+
+    def begin_kv_pass(self) -> None:
+        if self.stream is not None and not self.onward:
+            shape, dtype, device = self.like
+            self.dense = torch.empty(shape, dtype=dtype, device=device)
+
+    def add(self, lo: int, hi: int, rows: Optional[torch.Tensor]) -> None:
+        if self.stream is None:
+            if rows is not None:
+                self.dense[lo:hi] += rows
+        elif self.onward:
+            if rows is not None:
+                self.stream.write(lo, hi, self.stream.read(lo, hi).add_(rows))
+        else:
+            self.dense[lo:hi] = self.stream.read(lo, hi) if rows is None else self.stream.read(lo, hi).add_(rows)
+
+
+def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads: list) -> list:
+    """Passes 1-3 with gradients into ``dx``; returns the parameter gradients.
 
     ``rows(lo, hi)`` gives the layer input's rows, read again in every pass (an offloaded input comes
-    back one tile at a time).  Pass 2 writes every tile's rows of ``dx`` after the tile's rows of the
-    output gradient are consumed, so ``dx`` may be that gradient's buffer (:mod:`grad_buffers`)."""
-    replay = _collect(call, rows, dx.shape[0], with_grads=True)
+    back one tile at a time); ``grads``: the outputs' gradients (:class:`_OutputGrad` or ``None``).  Pass 2
+    writes every tile's rows of ``dx`` after the tile's rows of the output gradient are consumed, so
+    ``dx`` may be that gradient's buffer (:mod:`grad_buffers`) or stream."""
+    seq_len = dx.like[0][0]
+    replay = _collect(call, rows, seq_len, with_grads=True)
     dparams = grad_buffers.ParamGrads(params)
-    tiles = tile_bounds(dx.shape[0], call.num_tiles)
+    tiles = tile_bounds(seq_len, call.num_tiles)
     replay.mode = ATTEND
     for lo, hi in tiles:
         replay.lo, replay.hi = lo, hi
@@ -197,18 +266,16 @@ def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, gra
         for i, g in zip(call.token_slots, grads):
             if g is not None and leaves[i].requires_grad:
                 outs.append(leaves[i])
-                out_grads.append(g[lo:hi])
+                out_grads.append(g.rows(lo, hi))
         if outs:
             got = torch.autograd.grad(outs, (x_t, *params), out_grads, allow_unused=True)
             dparams.add(got[1:])
         else:
             got = (None,)
-        if got[0] is not None:
-            dx[lo:hi] = got[0]
-        else:
-            dx[lo:hi].zero_()
+        dx.put(lo, hi, got[0])
         del leaves, outs, out_grads, got
     replay.state.reduce_grads()
+    dx.begin_kv_pass()
     replay.mode = KV_GRAD
     for lo, hi in tiles:
         replay.lo, replay.hi = lo, hi
@@ -220,20 +287,21 @@ def _backward(call: _TiledCall, rows: Rows, dx: torch.Tensor, params: tuple, gra
             got = torch.autograd.grad(stop.outputs, (x_t, *params), stop.grads, allow_unused=True)
         else:
             raise RuntimeError("tiled replay: the layer did not stop at its core attention in the K/V pass")
-        if got[0] is not None:
-            dx[lo:hi] += got[0]
+        dx.add(lo, hi, got[0])
         dparams.add(got[1:])
         del got
     replay.state.release()
-    return (dx, *dparams.result())
+    return dparams.result()
 
 
+@grad_stream.reads_streams
 class TiledCheckpointFunction(torch.autograd.Function):
     """Keeps the layer input and replays the layer in tiles.
 
     An offload packer that serves row ranges (:func:`hooks.pack_rows`: the checkpoint offload) takes the
     input, and backward reads it back one tile at a time, never whole; otherwise it is saved with
-    ``save_for_backward`` (any outer packer sees it as usual).
+    ``save_for_backward`` (any outer packer sees it as usual).  The output gradients may come as
+    streams and the input's may leave as one (:mod:`grad_stream`).
     """
 
     @staticmethod
@@ -242,10 +310,20 @@ class TiledCheckpointFunction(torch.autograd.Function):
         ctx.rows_item = hooks.pack_rows(x)
         ctx.input_like = (x.shape, x.dtype, x.device)
         ctx.watch = grad_buffers.Watch(x)
+        ctx.consumer = grad_stream.consumer_of(x, ctx.watch) if call.grad_target is not None else None
         if ctx.rows_item is None:
             ctx.save_for_backward(x)
+        # the output over the input's memory: only once its values are safe off the device, and only in a
+        # tensor that is autograd's own (not a leaf, not a view of another tensor)
+        over_input = (call.output_over_input and ctx.rows_item is not None
+                      and hasattr(ctx.rows_item[0], "wait_stored") and x.grad_fn is not None
+                      and x._base is None and x.is_contiguous())
         with hooks.paused():
-            return tuple(_forward(call, x.detach()))
+            outs = _forward(call, x.detach(), (lambda: hooks.wait_stored(ctx.rows_item)) if over_input else None)
+        if outs and outs[0].data_ptr() == x.data_ptr():
+            ctx.mark_dirty(x)
+            outs[0] = x
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
@@ -256,21 +334,39 @@ class TiledCheckpointFunction(torch.autograd.Function):
         else:
             rows = functools.partial(hooks.unpack_rows, item)
         shape, dtype, device = ctx.input_like
-        # the input's gradient in the output gradient's buffer when that is a plugin's own and the only one
-        reuse = len(grads) == 1 and grad_buffers.reusable(grads[0], shape, dtype, device)
-        dx = grads[0] if reuse else torch.empty(shape, dtype=dtype, device=device)
+        taken = [grad_stream.take(ctx, slot, g) for slot, g in enumerate(grads)]
+        out_grads = [None if stream is None and g is None else _OutputGrad(g, stream) for stream, g in taken]
+        stream_in, added = taken[0] if len(taken) == 1 else (None, None)
+        onward = ctx.consumer is not None and ctx.watch.private()
+        if stream_in is not None and added is None and (stream_in.shape, stream_in.dtype) == (shape, dtype):
+            dx = _InputGrad(shape, dtype, device, stream=stream_in, onward=onward)  # in place of the output's rows
+        elif onward:
+            dx = _InputGrad(shape, dtype, device, stream=ctx.call.grad_target.new(shape, dtype, device), onward=True)
+        elif len(grads) == 1 and stream_in is None and grad_buffers.reusable(grads[0], shape, dtype, device):
+            # the input's gradient in the output gradient's buffer when that is a plugin's own and the only one
+            dx = _InputGrad(shape, dtype, device, dense=grads[0])
+        else:
+            dx = _InputGrad(shape, dtype, device, dense=torch.empty(shape, dtype=dtype, device=device))
+        del grads, taken
         with _SwapRng(ctx.call.rng), hooks.paused():
-            dx, *dparams = _backward(ctx.call, rows, dx, ctx.params, grads)
-        return (None, grad_buffers.own(dx, ctx.watch), *dparams)
+            dparams = _backward(ctx.call, rows, dx, ctx.params, out_grads)
+        if dx.onward:
+            return (None, grad_stream.hand_over(ctx.consumer, dx.stream), *dparams)
+        return (None, grad_buffers.own(dx.dense, ctx.watch), *dparams)
 
 
-def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any,
+                     grad_target: Optional[grad_stream.Target] = None, output_over_input: bool = False,
+                     **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a transformer layer) kept as its input and replayed in ``num_tiles`` tiles.
 
     The first argument (or ``hidden_states``) is ``[s, b, h]``, cut along ``s``; the rotary
     embeddings (:data:`PER_TOKEN_KWARGS`) are cut with it; ``params()`` gives the layer's parameters.
     Every tensor output with one row per token is concatenated over the tiles; other outputs come
-    from the first tile.  Without grad mode this is ``fn(*args, **kwargs)``.
+    from the first tile.  ``grad_target``: the input's gradient may stream there (:mod:`grad_stream`).
+    ``output_over_input``: the first output is written over the input's memory when the checkpoint
+    offload holds the input's values (an in-place op on the input, as ``x.add_(...)``: the caller's
+    tensor then holds the output).  Without grad mode this is ``fn(*args, **kwargs)``.
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
@@ -284,7 +380,7 @@ def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *a
         raise ValueError("--longctx-recompute-tiles: only the layer's hidden states may require grad "
                          "(another tensor argument does); set --longctx-recompute-tiles 0")
     call = _TiledCall(fn=fn, positional=bool(args), rest=tuple(args[1:]), kwargs=kwargs, num_tiles=num_tiles,
-                      rng=RngSnapshot.capture())
+                      rng=RngSnapshot.capture(), grad_target=grad_target, output_over_input=output_over_input)
     trainable = tuple(p for p in params() if p.requires_grad)
     outs = TiledCheckpointFunction.apply(call, x, *trainable)
     leaves = list(call.other_leaves)

@@ -5,6 +5,7 @@ Oracles: float64 attention over the whole sequence (``tests.oracle``) for the ti
 same GPTModel without memory features, float64, same seeds, for the replayed layers.
 """
 
+import os
 import weakref
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from megatron_longctx.attention import tiled
 from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention.tiled import TiledKV
-from megatron_longctx.memory import MemoryConfig, tiled_recompute
+from megatron_longctx.memory import MemoryConfig, grad_stream, tiled_recompute
 from megatron_longctx.memory.tiled_recompute import tile_bounds
 from tests.dist import megatron_parallel, run_ranks
 from tests.gpt_kit import ORACLE, ORACLE_SEQ, assert_same, batch, build_gpt, cp_batches, cpu, loss_and_grads
@@ -186,6 +187,63 @@ def test_an_offloaded_layer_input_comes_back_one_tile_at_a_time(tmp_path):
     off.close()
 
 
+def test_outputs_over_inputs_with_the_residual_gradient_streamed_match_float64(tmp_path):
+    """Three tiled layers, each writing its output over its input once the offload has its values, the
+    gradient streamed between them: the plain layers' outputs and gradients, and no output buffers."""
+    from megatron_longctx.memory import hooks
+    from megatron_longctx.memory.offload import ActivationOffloader
+
+    torch.manual_seed(3)
+    layers = [_ToyLayer() for _ in range(3)]
+    x0 = torch.randn(19, 2, 16, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(19, 2, 16, dtype=torch.float64)
+    params = [x0, *(p for layer in layers for p in layer.parameters())]
+    h = x0 * 1.5
+    for layer in layers:
+        h, _ = layer(h)
+    y_ref, ref = h.detach(), torch.autograd.grad(h, params, dy)
+
+    off = ActivationOffloader(MemoryConfig(recompute_granularity="full", offload_policy="checkpoint",
+                                           offload_target="disk", offload_min_bytes=0, offload_disk_dir=str(tmp_path)))
+    target = grad_stream.Target(off.disk_dir)
+    h = x0 * 1.5
+    first = h.data_ptr()
+    with hooks.packing(off):
+        for i, layer in enumerate(layers):
+            with hooks.layer_scope(i):
+                out, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, h, grad_target=target,
+                                                          output_over_input=True)
+            assert out is h and out.data_ptr() == first  # the input tensor, now holding the output
+            h = out
+    torch.testing.assert_close(h.detach(), y_ref, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(h, params, dy)
+    for g, want in zip(got, ref):
+        torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+    assert off.stats.offloaded_tensors == 3 and off.stats.deduplicated_bytes == 0  # each input stored as itself
+    off.close()
+
+
+def test_an_offloaded_tensor_written_in_place_is_stored_again(tmp_path):
+    """The offload shares one stored copy between tensors of one storage only while it is unmodified."""
+    from megatron_longctx.memory import hooks
+    from megatron_longctx.memory.offload import ActivationOffloader
+
+    off = ActivationOffloader(MemoryConfig(recompute_granularity="full", offload_policy="checkpoint",
+                                           offload_target="disk", offload_min_bytes=0, offload_disk_dir=str(tmp_path)))
+    x = torch.arange(64, dtype=torch.float64)
+    with hooks.layer_scope(0):
+        before = off.pack(x)
+        again = off.pack(x[:32])  # the same unmodified storage: shared
+        off.wait_stored(before)
+        x.add_(1000)
+        after = off.pack(x)
+    assert off.stats.offloaded_tensors == 2 and off.stats.deduplicated_bytes == 32 * 8
+    torch.testing.assert_close(off.unpack(before), torch.arange(64, dtype=torch.float64))
+    torch.testing.assert_close(off.unpack(again), torch.arange(32, dtype=torch.float64))
+    torch.testing.assert_close(off.unpack(after), torch.arange(64, dtype=torch.float64) + 1000)
+    off.close()
+
+
 def _plugin_spec(**options):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -245,14 +303,18 @@ def _everything_on_cp2(batches):
 
     from megatron_longctx.memory import install
 
-    for normalization, lean in (("LayerNorm", False), ("RMSNorm", True)):
+    for normalization, lean, stream in (("LayerNorm", False, False), ("RMSNorm", True, False), ("RMSNorm", True, True)):
         fields = dict(NO_DROPOUT, normalization=normalization, context_parallel_size=2)
         ref = loss_and_grads(build_gpt(**fields, spec=_plugin_spec(cp_algorithm="allgather")), batches=batches)
         model = build_gpt(**fields, spec=_plugin_spec(cp_algorithm="allgather", tiled_mlp_tiles=2))
         cfg = MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_policy="checkpoint",
                            offload_target="disk", offload_min_bytes=0, tiled_mlp_tiles=2, tiled_loss_tiles=4,
-                           tiled_loss_recompute=True, lean_norm=lean)
+                           tiled_loss_recompute=True, lean_norm=lean, offload_residual_grad=stream,
+                           tiled_output_over_input=stream)
         handle = install(model, cfg)
+        handed = []
+        hand_over = grad_stream.hand_over
+        grad_stream.hand_over = lambda consumer, s: handed.append(s.path) or hand_over(consumer, s)
         norm = model.decoder.final_layernorm
         rows, own_forward = [], norm.forward
 
@@ -264,16 +326,27 @@ def _everything_on_cp2(batches):
         embedded, gone = [], []
         model.embedding.register_forward_hook(lambda m, i, out: embedded.append(weakref.ref(out)))
 
-        def at_the_loss(*_):  # returns None: a pre-hook's return value would replace the inputs
+        def at_the_loss(_, inputs):  # returns None: a pre-hook's return value would replace the inputs
             gc.collect()
-            gone.append(all(r() is None for r in embedded))
+            alive = [r() for r in embedded if r() is not None]
+            if stream:  # every layer wrote its output over its input: one buffer from the embedding to the loss
+                gone.append([t.data_ptr() for t in alive] == [inputs[0].data_ptr()])
+            else:
+                gone.append(not alive)
 
         model.output_layer.register_forward_pre_hook(at_the_loss)
-        got = loss_and_grads(model, batches=batches)
+        try:
+            got = loss_and_grads(model, batches=batches)
+        finally:
+            grad_stream.hand_over = hand_over
         assert_same(ref, got, rtol=1e-5, atol=1e-7)  # Megatron's cross-entropy runs in float32
+        # streamed: loss -> last layer -> ... -> first layer, through files in the offload's run directory
+        layers = len(model.decoder.layers)
+        assert len(handed) == (layers * len(batches) if stream else 0), handed
+        assert all(os.path.dirname(path) == handle.offloader.disk_dir for path in handed), handed
         local = ORACLE_SEQ // 2
         assert rows == [local // 4] * 8 * len(batches), rows  # 4 tiles in forward, 4 in backward, per batch
-        assert gone == [True] * len(batches)  # the embedding output did not live on to the loss
+        assert gone == [True] * len(batches)  # the embedding output did not live on to the loss (as itself)
         handle.remove()
 
 
@@ -314,10 +387,24 @@ def _refusals():
         install(model, cfg)
         with pytest.raises(ValueError, match="without reaching the plugin's core attention"):
             loss_and_grads(model)
+        model = build_gpt(**NO_DROPOUT, spec=_plugin_spec())
+        over = MemoryConfig(recompute_granularity="full", recompute_tiles=2, offload_policy="checkpoint",
+                            offload_target="disk", tiled_output_over_input=True)
+        handle = install(model, over)
+        with pytest.raises(ValueError, match="--longctx-tiled-output-over-input.*extract_layer_indices"):
+            model.decoder(hidden_states=None, attention_mask=None, extract_layer_indices={1})
+        handle.remove()
 
 
 def test_tiled_recompute_refuses_what_it_cannot_replay():
     run_ranks(2, _refusals)
+
+
+def test_output_over_input_needs_tiles_and_the_checkpoint_offload():
+    with pytest.raises(ValueError, match="--longctx-tiled-output-over-input.*--longctx-recompute-tiles"):
+        MemoryConfig(recompute_granularity="full", offload_policy="checkpoint", tiled_output_over_input=True)
+    with pytest.raises(ValueError, match="--longctx-tiled-output-over-input.*--longctx-offload-policy checkpoint"):
+        MemoryConfig(recompute_granularity="full", recompute_tiles=4, tiled_output_over_input=True)
 
 
 def test_recompute_tiles_needs_full_recompute():

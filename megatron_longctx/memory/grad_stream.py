@@ -1,0 +1,157 @@
+"""The residual stream's gradient kept off the device between the plugin's tiled backwards.
+
+A layer replayed in tiles (:mod:`tiled_recompute`) and the recomputing tiled loss (:mod:`tiled_loss`)
+read their output's gradient and write their input's gradient one tile of rows at a time.  Between two
+such backwards the whole ``[s, b, h]`` gradient would sit on the device, beside the next layer's
+gathered K/V and dK/dV.  With ``--longctx-offload-residual-grad`` it stays on the offload target
+instead (:class:`GradStream`: pinned host memory, or an unlinked file under the disk offload's run
+directory), and only a tile of it is on the device at a time.
+
+Autograd still needs a gradient tensor between the two nodes.  The producer hands the stream to the
+consumer node itself (:func:`hand_over`; the consumer is known at forward: the autograd node of the
+producer's input, which must be a plugin backward that reads streams, see :func:`consumer_of`) and
+returns a zero tensor of the right shape that holds no memory (a broadcast scalar).  If autograd adds
+another gradient to it (the input had a second consumer), the consumer receives that sum and adds it
+to the stream's rows: the gradient stays exact either way.  What cannot see the streamed gradient is a
+reader of the input's gradient outside autograd's graph walk (``torch.autograd.grad(..., inputs=x)`` on
+an intermediate residual tensor); a tensor hook, ``retain_grad`` or a leaf input turns streaming off
+for that tensor (:class:`grad_buffers.Watch`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from megatron_longctx.memory import grad_buffers
+from megatron_longctx.memory.offload_disk import disk_error
+
+FLAG = "--longctx-offload-residual-grad"
+_STREAMS = "_longctx_grad_streams"  # on a consumer node: {output slot: GradStream}
+_ZERO = "_longctx_streamed_zero"  # on the zero gradient a producer returns in place of the streamed one
+_READS_STREAMS = "_longctx_reads_grad_streams"  # on an autograd Function whose backward reads streams
+
+
+class GradStream:
+    """A ``[s, ...]`` gradient on the offload target, read and written a row range at a time.
+
+    ``disk_dir``: an unlinked file there (its space is freed when the stream is); else host memory,
+    pinned when CUDA is available.
+    """
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                 disk_dir: Optional[str] = None) -> None:
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
+        self.row_bytes = math.prod(self.shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        self._fd: Optional[int] = None
+        self._host: Optional[torch.Tensor] = None
+        self.path = disk_dir
+        if disk_dir is not None:
+            fd = None
+            try:
+                fd, self.path = tempfile.mkstemp(prefix="grad-", suffix=".bin", dir=disk_dir)
+                os.unlink(self.path)
+                os.ftruncate(fd, self.shape[0] * self.row_bytes)
+            except OSError as exc:
+                if fd is not None:
+                    os.close(fd)
+                raise disk_error("creating the residual gradient's file", self.path, exc) from exc
+            self._fd = fd
+            weakref.finalize(self, os.close, fd)
+        else:
+            pin = torch.cuda.is_available() and device.type == "cuda"
+            self._host = torch.empty(self.shape, dtype=dtype, pin_memory=pin)
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` on the device (a new tensor: the caller may write into it)."""
+        if self._host is not None:
+            return self._host[lo:hi].to(self.device, copy=True)
+        rows = torch.empty((hi - lo, *self.shape[1:]), dtype=self.dtype)
+        view = memoryview(rows.view(-1).view(torch.uint8).numpy())
+        try:
+            got = os.preadv(self._fd, [view], lo * self.row_bytes)
+        except OSError as exc:
+            raise disk_error(f"reading rows {lo}:{hi} of the residual gradient from", self.path, exc) from exc
+        if got != len(view):
+            raise disk_error(f"reading rows {lo}:{hi} of the residual gradient from", self.path,
+                             OSError(5, f"read {got} of {len(view)} bytes"))
+        return rows.to(self.device)
+
+    def write(self, lo: int, hi: int, rows: torch.Tensor) -> None:
+        """Rows ``[lo, hi)`` set to ``rows``."""
+        if self._host is not None:
+            self._host[lo:hi].copy_(rows)
+            return
+        data = rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
+        view, offset = memoryview(data), lo * self.row_bytes
+        try:
+            while len(view):
+                done = os.pwrite(self._fd, view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as exc:
+            raise disk_error(f"writing rows {lo}:{hi} of the residual gradient to", self.path, exc) from exc
+
+
+class Target:
+    """Where streams go (the offload target of ``--longctx-offload-target``)."""
+
+    def __init__(self, disk_dir: Any = None) -> None:
+        self._disk_dir = disk_dir  # a str, or a callable giving it (made on first use), or None: host
+
+    def new(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> GradStream:
+        disk_dir = self._disk_dir() if callable(self._disk_dir) else self._disk_dir
+        return GradStream(shape, dtype, device, disk_dir)
+
+
+def reads_streams(function: type) -> type:
+    """Mark an autograd Function whose backward takes its output gradients' streams (:func:`take`)."""
+    setattr(function, _READS_STREAMS, True)
+    return function
+
+
+def consumer_of(x: torch.Tensor, watch: grad_buffers.Watch) -> Optional[tuple]:
+    """``(node, output slot)`` that will receive ``x``'s gradient, when it reads streams and nothing else
+    sees that gradient; else ``None``.  Taken at forward."""
+    node = x.grad_fn
+    if node is None or not watch.private():
+        return None
+    function = getattr(type(node), "_forward_cls", None)
+    if not getattr(function, _READS_STREAMS, False):
+        return None
+    return node, x.output_nr
+
+
+def hand_over(consumer: tuple, stream: GradStream) -> torch.Tensor:
+    """Give ``stream`` (the gradient of the consumer's output slot) to the consumer node; returns the
+    zero gradient autograd passes instead."""
+    node, slot = consumer
+    streams = getattr(node, _STREAMS, None)
+    if streams is None:
+        streams = {}
+        setattr(node, _STREAMS, streams)
+    streams[slot] = stream
+    zero = torch.zeros((), dtype=stream.dtype, device=stream.device).expand(stream.shape)
+    setattr(zero, _ZERO, True)
+    return zero
+
+
+def take(ctx: Any, slot: int, grad: Optional[torch.Tensor]) -> tuple[Optional[GradStream], Optional[torch.Tensor]]:
+    """In a consumer's backward: output slot ``slot``'s stream (or ``None``) and what autograd passed that
+    must be added to it (``None`` when that is the zero the producer returned)."""
+    streams = getattr(ctx, _STREAMS, None)
+    stream = streams.pop(slot, None) if streams else None
+    if grad is not None and getattr(grad, _ZERO, False):
+        if stream is None:
+            raise RuntimeError(f"{FLAG}: a streamed residual gradient reached its consumer without its stream "
+                               "(the gradient was produced by another backward than this one)")
+        return stream, None
+    return stream, grad
+
+
+def is_zero(grad: Optional[torch.Tensor]) -> bool:
+    return grad is not None and getattr(grad, _ZERO, False)

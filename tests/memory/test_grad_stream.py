@@ -1,0 +1,150 @@
+"""The residual gradient streamed between tiled layer replays (``--longctx-offload-residual-grad``) keeps
+the gradients exact: float64 oracle, the same layers run whole; on pinned-host and disk targets, with a
+second consumer of the streamed tensor, a hook on it, and a second backward."""
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_longctx.memory import MemoryConfig, grad_stream, tiled_recompute
+from tests.memory.test_tiled_recompute import _ToyLayer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEQ, BATCH, HIDDEN = 19, 2, 16
+
+
+class _Spy:
+    """Counts the streams handed over from one backward to the next."""
+
+    def __init__(self, monkeypatch):
+        self.handed = 0
+        original = grad_stream.hand_over
+
+        def hand_over(consumer, stream):
+            self.handed += 1
+            return original(consumer, stream)
+
+        monkeypatch.setattr(grad_stream, "hand_over", hand_over)
+
+
+def _model(target, extra_use=False, hook=False, tiles=5):
+    """Three toy layers; the loss also reads the middle residual tensor when ``extra_use``."""
+    torch.manual_seed(2)
+    layers = [_ToyLayer() for _ in range(3)]
+    x0 = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+    seen = []
+
+    def run():
+        for layer in layers:
+            layer.zero_grad()
+        h = x0 * 1.5
+        middle = None
+        for i, layer in enumerate(layers):
+            if tiles:
+                h, _ = tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, grad_target=target)
+            else:
+                h, _ = layer(h)
+            if i == 1:
+                middle = h
+                if hook:
+                    h.register_hook(lambda g: seen.append(g.clone()))
+        loss = (h * dy).sum()
+        if extra_use:
+            loss = loss + (middle.sin() * dy).sum()
+        return loss
+
+    def grads(loss, retain_graph=False):
+        params = [x0, *(p for layer in layers for p in layer.parameters())]
+        return list(torch.autograd.grad(loss, params, retain_graph=retain_graph))
+
+    return run, grads, seen
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+@pytest.mark.parametrize("extra_use", [False, True])
+def test_streamed_gradient_matches_float64(where, extra_use, tmp_path, monkeypatch):
+    target = grad_stream.Target(str(tmp_path) if where == "disk" else None)
+    spy = _Spy(monkeypatch)
+    run_ref, grads_ref, _ = _model(target, extra_use, tiles=0)
+    ref = grads_ref(run_ref())
+    run, grads, _ = _model(target, extra_use)
+    got = grads(run())
+    assert spy.handed == 2  # layer 3 -> layer 2 -> layer 1; layer 1's input comes from a plain op
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    if where == "disk":
+        assert list(tmp_path.iterdir()) == []  # the streams' files are unlinked from the start
+
+
+def test_a_hooked_residual_tensor_is_not_streamed(monkeypatch):
+    spy = _Spy(monkeypatch)
+    run_ref, grads_ref, seen_ref = _model(grad_stream.Target(), hook=True, tiles=0)
+    ref = grads_ref(run_ref())
+    run, grads, seen = _model(grad_stream.Target(), hook=True)
+    got = grads(run())
+    assert spy.handed == 1  # layer 3 -> 2 streams; the hooked output of layer 2 gets a real gradient
+    torch.testing.assert_close(seen[0], seen_ref[0], rtol=1e-10, atol=1e-12)
+    assert seen[0].abs().sum() > 0
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+def test_a_second_backward_streams_again(monkeypatch):
+    spy = _Spy(monkeypatch)
+    run_ref, grads_ref, _ = _model(grad_stream.Target(), tiles=0)
+    ref = grads_ref(run_ref())
+    run, grads, _ = _model(grad_stream.Target())
+    loss = run()
+    first = grads(loss, retain_graph=True)
+    second = grads(loss)
+    assert spy.handed == 4
+    for a, b, r in zip(first, second, ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(b, r, rtol=1e-10, atol=1e-12)
+
+
+def test_the_flag_needs_tiled_replay_and_an_offload_policy():
+    with pytest.raises(ValueError, match="--longctx-offload-residual-grad.*--longctx-recompute-tiles"):
+        MemoryConfig(recompute_granularity="full", offload_policy="checkpoint", offload_residual_grad=True)
+    with pytest.raises(ValueError, match="--longctx-offload-residual-grad"):
+        MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_residual_grad=True)
+    MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_policy="checkpoint",
+                 offload_residual_grad=True)
+
+
+def test_a_file_size_limit_names_the_flag_in_a_child(tmp_path):
+    """Real faults under RLIMIT_FSIZE: a stream too large for the limit fails when it is made, and a row
+    written past the limit fails when it is written; both name the flag, the errno and the directory."""
+    code = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        sys.path.insert(0, {ROOT!r})
+        from megatron_longctx.memory.grad_stream import GradStream
+        from megatron_longctx.memory.offload_disk import DiskOffloadError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the call then fails with EFBIG
+        rows = torch.Size([1024, 16])  # 128 KiB of float64
+        early = GradStream(rows, torch.float64, torch.device("cpu"), {str(tmp_path)!r})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        for what, step in (("made", lambda: GradStream(rows, torch.float64, torch.device("cpu"), {str(tmp_path)!r})),
+                           ("written", lambda: early.write(1000, 1024, torch.ones(24, 16, dtype=torch.float64)))):
+            try:
+                step()
+            except DiskOffloadError as exc:
+                print("ERROR", what, exc.errno, exc)
+        early.write(0, 8, torch.ones(8, 16, dtype=torch.float64))  # under the limit: still fine
+        assert torch.equal(early.read(0, 8), torch.ones(8, 16, dtype=torch.float64))
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert f"ERROR made {errno.EFBIG}" in out and f"ERROR written {errno.EFBIG}" in out, out + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 2 and all("--longctx-offload-disk-dir" in e and "EFBIG" in e and str(tmp_path) in e
+                                    for e in errors), out
+    assert out.rstrip().endswith("OK"), out + proc.stderr
+    assert os.listdir(tmp_path) == []
