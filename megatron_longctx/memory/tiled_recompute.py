@@ -16,13 +16,12 @@ query tile can see all keys.  :func:`tiled_checkpoint` replays in three passes, 
 
 Forward is passes 1 and 2 without gradients (its output may be written over its input,
 ``output_over_input``).  Peak memory per token is then the layer's input and output gradients (one
-buffer, or none on the device when they stream, :mod:`grad_stream`), the gathered K/V and dK/dV, and one
-tile's activations (FPDT, Yao et al. 2024,
-arXiv:2408.16978, runs a layer in sequence chunks the same way); the layer input too, unless the
-checkpoint offload holds it (:func:`hooks.pack_rows`: each pass reads it back one tile at a time).  Parameter gradients are summed
-over the tiles (straight into Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`) and
-returned by one autograd node, so gradient hooks (Megatron's DDP) fire once per parameter, as without
-tiling.
+buffer, or none on the device when they stream, :mod:`grad_stream`), the gathered K/V and dK/dV, and
+one tile's activations (FPDT, Yao et al. 2024, arXiv:2408.16978, runs a layer in sequence chunks the
+same way); the layer input too, unless the checkpoint offload holds it (:func:`hooks.pack_rows`: each
+pass reads it back one tile at a time).  Parameter gradients are summed over the tiles (straight into
+Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`) and returned by one autograd node,
+so gradient hooks (Megatron's DDP) fire once per parameter, as without tiling.
 
 The core attention takes part through :func:`current`: while a replay is active it reads the
 replay's ``mode`` and tile (``lo``, ``hi``) and keeps its per-layer state in :meth:`_Replay.state_for`.
@@ -161,7 +160,8 @@ def _collect(call: _TiledCall, rows: Rows, seq_len: int, with_grads: bool) -> _R
     return replay
 
 
-def _forward(call: _TiledCall, x: torch.Tensor, over_input: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
+def _forward(call: _TiledCall, x: torch.Tensor,
+             over_input: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
     """Passes 1 and 2 without gradients: the layer's outputs, one tile at a time.
 
     ``over_input``: the first output, when it has the input's shape and dtype, is written over ``x``

@@ -148,3 +148,27 @@ def test_a_file_size_limit_names_the_flag_in_a_child(tmp_path):
                                     for e in errors), out
     assert out.rstrip().endswith("OK"), out + proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_the_recomputing_tiled_loss_writes_its_hidden_gradient_to_a_stream(where, tmp_path):
+    """The loss's hidden-state gradient, tile rows written to a stream (no norm inside the loss: the
+    sequence-parallel case), equals autograd's through the plain float64 cross-entropy."""
+    from megatron_longctx.memory import tiled_loss
+
+    torch.manual_seed(4)
+    s, b, h, vocab = 10, 2, 8, 32
+    hidden = torch.randn(s, b, h, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, h, dtype=torch.float64)
+    target = torch.randint(0, vocab, (s, b))
+    grad_loss = torch.rand(s, b, dtype=torch.float64)
+    per_token = torch.nn.functional.cross_entropy((hidden @ weight.t()).reshape(-1, vocab), target.reshape(-1),
+                                                  reduction="none").reshape(s, b)
+    (want,) = torch.autograd.grad((per_token * grad_loss).sum(), hidden)
+
+    args = tiled_loss.TiledLossArgs(tp_group=None, num_tiles=3, reduce_grad_input=False, recompute=True)
+    _, lse, _, _ = tiled_loss.tiled_loss_forward(args, hidden.detach(), weight, target)
+    stream = grad_stream.GradStream(hidden.shape, hidden.dtype, hidden.device, str(tmp_path) if where == "disk" else None)
+    got, _ = tiled_loss.tiled_loss_backward_recompute(args, hidden.detach(), weight, target, lse, grad_loss, (), stream)
+    assert got is stream
+    torch.testing.assert_close(stream.read(0, s), want, rtol=1e-12, atol=1e-12)
