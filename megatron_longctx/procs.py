@@ -42,6 +42,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def process_groups_released() -> Any:
+    """Destroy, on leaving, the torch.distributed process groups created inside the block.
+
+    Megatron's ``destroy_model_parallel`` forgets its groups without destroying them, and each gloo group
+    keeps its threads alive: a process that sets Megatron's parallel state up again and again (a test
+    rank serving many tests, a benchmark probe measuring many points) otherwise piles up thousands of
+    threads, and everything it times afterwards is slower."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    before = set(distributed_c10d._world.pg_map)
+    try:
+        yield
+    finally:
+        for group in set(distributed_c10d._world.pg_map) - before:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+
+
 # ------------------------------------------------------------------------------------ process trees
 def _children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}

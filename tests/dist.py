@@ -29,26 +29,10 @@ import queue
 import traceback
 from typing import Any, Callable
 
-from megatron_longctx.procs import free_port
+from megatron_longctx.procs import free_port, process_groups_released
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("LONGCTX_TEST_TIMEOUT", "240"))
 _GRACE_S = 20.0  # how long the other ranks get to finish or fail once one rank has failed
-
-
-def _live_groups() -> set:
-    from torch.distributed import distributed_c10d
-
-    return set(distributed_c10d._world.pg_map)
-
-
-def _destroy_groups_since(before: set) -> None:
-    """Destroy the process groups created since ``before`` (Megatron's ``destroy_model_parallel``
-    forgets its groups without destroying them; each gloo group keeps threads alive in a reused rank)."""
-    import torch.distributed as dist
-
-    for group in _live_groups() - before:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(group)
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
@@ -196,12 +180,11 @@ def megatron_parallel(tp: int = 1, cp: int = 1, pp: int = 1, **kwargs: Any):
     """
     from megatron.core import parallel_state
 
-    groups_before = _live_groups()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp, **kwargs
-    )
-    try:
-        yield parallel_state
-    finally:
-        parallel_state.destroy_model_parallel()
-        _destroy_groups_since(groups_before)
+    with process_groups_released():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp, **kwargs
+        )
+        try:
+            yield parallel_state
+        finally:
+            parallel_state.destroy_model_parallel()

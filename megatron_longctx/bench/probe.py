@@ -32,6 +32,7 @@ from megatron_longctx.megatron import data as data_mod
 from megatron_longctx.megatron.training import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
                                                 over_budget_exit, preimport_megatron, run_steps)
 from megatron_longctx.memory.accounting import rss_bytes
+from megatron_longctx.procs import process_groups_released
 
 
 # Local tokens of the job's warm-up point.  MKL keeps the packing buffers of its larger matrix products
@@ -148,15 +149,18 @@ def run_task(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _safe_point(task: dict[str, Any], config_name: str, seq_length: int, prefix: str) -> dict[str, Any]:
-    """:func:`measure_point`, with an error of the configuration reported as its status."""
-    try:
-        return measure_point(task, config_name, seq_length, prefix)
-    except (RuntimeError, ValueError, AssertionError, NotImplementedError) as exc:
-        from megatron.core import parallel_state
+    """:func:`measure_point`, with an error of the configuration reported as its status; the process
+    groups the point made are destroyed after it (each point sets Megatron's parallel state up anew)."""
+    with process_groups_released():
+        try:
+            return measure_point(task, config_name, seq_length, prefix)
+        except (RuntimeError, ValueError, AssertionError, NotImplementedError) as exc:
+            from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
-        message = str(exc).splitlines()[0][:300] if str(exc) else ""
-        return {"config": config_name, "seq_length": seq_length, "status": f"failed: {type(exc).__name__}: {message}"}
+            parallel_state.destroy_model_parallel()
+            message = str(exc).splitlines()[0][:300] if str(exc) else ""
+            return {"config": config_name, "seq_length": seq_length,
+                    "status": f"failed: {type(exc).__name__}: {message}"}
 
 
 def _write(path: str, records: list[dict[str, Any]]) -> None:
