@@ -100,12 +100,11 @@ class GradStream:
 class Target:
     """Where streams go (the offload target of ``--longctx-offload-target``)."""
 
-    def __init__(self, disk_dir: Any = None) -> None:
-        self._disk_dir = disk_dir  # a str, or a callable giving it (made on first use), or None: host
+    def __init__(self, disk_dir: Optional[str] = None) -> None:
+        self.disk_dir = disk_dir  # None: pinned host memory
 
     def new(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> GradStream:
-        disk_dir = self._disk_dir() if callable(self._disk_dir) else self._disk_dir
-        return GradStream(shape, dtype, device, disk_dir)
+        return GradStream(shape, dtype, device, self.disk_dir)
 
 
 def reads_streams(function: type) -> type:
@@ -151,7 +150,3 @@ def take(ctx: Any, slot: int, grad: Optional[torch.Tensor]) -> tuple[Optional[Gr
                                "(the gradient was produced by another backward than this one)")
         return stream, None
     return stream, grad
-
-
-def is_zero(grad: Optional[torch.Tensor]) -> bool:
-    return grad is not None and getattr(grad, _ZERO, False)
