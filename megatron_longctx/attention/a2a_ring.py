@@ -13,7 +13,10 @@ take the same path (a dense sequence is one document).
 Memory: q, k, v (and the gradients in backward) each travel in their own all-to-all, as
 DeepSpeed's ``DistributedAttention`` does, so at most one tensor's send buffer, receive buffer and
 reordered copy are alive at a time, not three of each; the head-sharded tensors saved for backward
-are freed before the gradients travel back (:func:`a2a_ring_attention`).
+are freed before the gradients travel back (:func:`a2a_ring_attention`).  Ulysses' local attention
+(:class:`HeadsAttention`) runs its backward over pieces of its heads and writes each piece's
+gradients over the head-sharded q, k, v it no longer reads, which the all-to-alls made for it
+alone: the backward holds one piece's gradients beside the saved tensors, not all of them.
 
 GQA/MQA with fewer K/V heads than ranks: K/V heads are replicated (``repeat_interleave`` by the
 smallest factor ``f`` dividing ``h_q/h_kv`` with ``h_kv*f`` divisible by ``U``,
@@ -29,8 +32,12 @@ import torch.distributed as dist
 from .args import AttentionArgs, kv_replication
 from .comm import all_to_all, all_to_all_rows
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
-from .ring import RingAttention
-from .schedule import ring_schedule
+from .ring import RingAttention, ring_forward
+from .schedule import RingSchedule, ring_schedule
+from .segments import attend_local_backward
+
+# The local attention's backward runs over at most this many head pieces (see :func:`head_pieces`).
+MAX_HEAD_PIECES = 4
 
 
 def replicate_kv(x: torch.Tensor, f: int) -> torch.Tensor:
@@ -134,6 +141,51 @@ class _HeadsToSeq(torch.autograd.Function):
         return seq_to_heads(dy.contiguous(), ctx.group, ctx.index, ctx.halves), None, None, None
 
 
+def head_pieces(h_q: int, h_kv: int, max_pieces: int = MAX_HEAD_PIECES) -> list[tuple[slice, slice]]:
+    """(query heads, K/V heads) of each backward call of :class:`HeadsAttention`: up to ``max_pieces``
+    runs of whole K/V heads with their query groups, so the pieces' gradients are disjoint.  One K/V
+    head is one piece: splitting its query group would hold dK/dV sums beside the pieces' gradients,
+    about what the split saves."""
+    g, n = h_q // h_kv, min(h_kv, max_pieces)
+    edges = [h_kv * i // n for i in range(n + 1)]
+    return [(slice(a * g, b * g), slice(a, b)) for a, b in zip(edges, edges[1:])]
+
+
+class HeadsAttention(torch.autograd.Function):
+    """Ulysses' local attention over all tokens of this rank's heads (a ring of one rank).
+
+    Forward as :class:`.ring.RingAttention`.  Backward runs one call per :func:`head_pieces` piece and
+    writes its dq, dk and dv over the saved q, k and v heads of that piece, which no later piece reads;
+    the gradients returned are those buffers.  Only for inputs that nothing else holds (the
+    all-to-alls' results): the in-place writes bump their version, so a second backward through a
+    retained graph fails loudly instead of reading gradients as inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, schedule: RingSchedule, args: AttentionArgs):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = ring_forward(q, k, v, None, schedule, args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.calls, ctx.args = schedule.calls[0][0], args
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout, calls, scale, backend = dout.contiguous(), ctx.calls, ctx.args.softmax_scale, ctx.args.backend
+        pieces = head_pieces(q.shape[2], k.shape[2])
+        if len(pieces) == 1:
+            return (*attend_local_backward(dout, q, k, v, out, lse, calls, scale, backend), None, None)
+        grads = q.detach(), k.detach(), v.detach()  # written over, piece by piece
+        for hq, hk in pieces:
+            piece = attend_local_backward(dout[:, :, hq], q[:, :, hq], k[:, :, hk], v[:, :, hk], out[:, :, hq],
+                                          lse[:, hq], calls, scale, backend)
+            for grad, heads, g in zip(grads, (hq, hk, hk), piece):
+                grad[:, :, heads] = g
+            del piece
+        return (*grads, None, None)
+
+
 def a2a_ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,8 +199,8 @@ def a2a_ring_attention(
     ``[b, t, h_q, d_v]``.  ``ring_group`` None: Ulysses (``U = cp``, one local attention).
 
     Three autograd nodes, as DeepSpeed's ``DistributedAttention`` has them: the all-to-alls in, the
-    ring over the head-sharded tensors (:class:`.ring.RingAttention`, the only node that saves
-    anything), the all-to-all out.  In backward the engine frees the saved head-sharded q, k, v and
+    ring over the head-sharded tensors (:class:`.ring.RingAttention`, or :class:`HeadsAttention` for
+    Ulysses; the only node that saves anything), the all-to-all out.  In backward the engine frees the saved head-sharded q, k, v and
     out as soon as the ring's gradients exist, before those travel back.
     """
     u = dist.get_world_size(a2a_group)
@@ -158,5 +210,8 @@ def a2a_ring_attention(
     q_h = _SeqToHeads.apply(q, a2a_group, index, halves, 1)  # [b, U*t, h_q/U, d_qk]
     k_h = _SeqToHeads.apply(k, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_qk]
     v_h = _SeqToHeads.apply(v, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_v]
-    out_h = RingAttention.apply(q_h, k_h, v_h, ring_group, schedule, args)  # [b, U*t, h_q/U, d_v]
+    if ring_group is None:
+        out_h = HeadsAttention.apply(q_h, k_h, v_h, schedule, args)  # [b, U*t, h_q/U, d_v]
+    else:
+        out_h = RingAttention.apply(q_h, k_h, v_h, ring_group, schedule, args)
     return _HeadsToSeq.apply(out_h, a2a_group, index, halves)  # [b, t, h_q, d_v]

@@ -106,8 +106,10 @@ def ring_backward(
     after the last remote step, while the last dK/dV travel home (at ``P = 2`` nothing else is left to
     hide that return behind).  Longer shards run the local block whole, first: the return is then a
     small part of the step, and the split would hold the tail's gradients beside the messages in
-    flight.  Gradients are
-    summed by :class:`.segments.GradSum`: the first contribution to a row range initialises it.
+    flight; their dK and dV travel as two messages, so a block's gradients over every key are sent as
+    the kernel returned them (one flat message would be a copy beside them), and the last K/V are
+    dropped before the dK/dV travel.  Gradients are summed by :class:`.segments.GradSum`: the first
+    contribution to a row range initialises it.
     """
     rank = _ring_rank(group, schedule)
     if not schedule.transfers:
@@ -123,7 +125,8 @@ def ring_backward(
     local = schedule.calls[0][rank]
     # Short blocks are latency-bound: hide the last return behind part of the local block.  Long ones are
     # compute-bound, and the whole local block first keeps its kernel result as the accumulators.
-    head, tail = split_for_overlap(local) if q.shape[1] <= OVERLAP_MAX_TOKENS else (local, ())
+    short = q.shape[1] <= OVERLAP_MAX_TOKENS
+    head, tail = split_for_overlap(local) if short else (local, ())
     _step_backward(dout, q, k, v, out, lse, head, args, dq, own)
     incoming = None
     for i in range(1, len(offsets)):
@@ -134,18 +137,36 @@ def ring_backward(
             next_kv = kv_comm.send_recv(kv, schedule.hop(i))
             kv_comm.commit()
         k_i, v_i = unpack(kv, (k.shape, v.shape))  # K/V of rank (rank - offsets[i])
-        dkv = GradSum([k.shape, v.shape], acc, q.device, flat=True)  # [numel(k) + numel(v)]
+        # short shards: one flat message [numel(k) + numel(v)]; long ones: dK and dV as they are
+        # (a first contribution over every key is the kernel's own gradient, not a copy beside it)
+        dkv = GradSum([k.shape, v.shape], acc, q.device, flat=short)
         _step_backward(dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args, dq, dkv)
+        del kv, k_i, v_i
+        if last:
+            next_kv = None  # the last K/V are not needed while the dK/dV travel
         if incoming is not None:
             dkv_comm.wait()
-            dkv.add(0, k.shape[1], unpack(incoming, (k.shape, v.shape)))  # dK/dV of the earlier holders
-        incoming = dkv_comm.send_recv(dkv.message(), schedule.hop(i) if not last else -offsets[i])
-        dkv_comm.commit()  # to the next holder, or home
+            dkv.add(0, k.shape[1], _received(incoming, k, v))  # dK/dV of the earlier holders
+        incoming = _post(dkv_comm, dkv, schedule.hop(i) if not last else -offsets[i])  # to the next holder, or home
+        del dkv
     _step_backward(dout, q, k, v, out, lse, tail, args, dq, own)
     dkv_comm.wait()
-    own.add(0, k.shape[1], unpack(incoming, (k.shape, v.shape)))  # every other rank's contribution
+    own.add(0, k.shape[1], _received(incoming, k, v))  # every other rank's contribution
     (dq,), (dk, dv) = dq.result(), own.result()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _post(comm: RingComm, dkv: GradSum, hop: int) -> list[torch.Tensor]:
+    """Send the sums of ``dkv`` ``hop`` ranks on (one message if flat, else dK and dV); the receive buffers."""
+    sends = [dkv.message()] if dkv.flat else dkv.result()
+    received = [comm.send_recv(t, hop) for t in sends]
+    comm.commit()
+    return received
+
+
+def _received(incoming: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """dK, dV of messages posted by :func:`_post`."""
+    return unpack(incoming[0], (k.shape, v.shape)) if len(incoming) == 1 else incoming
 
 
 def _step_backward(dout, q, k_i, v_i, out, lse, calls, args: AttentionArgs, dq: GradSum, dkv: GradSum) -> None:

@@ -136,7 +136,9 @@ def attention_rank(case: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------- tiled MLP
 class _SwiGLU(torch.nn.Module):
-    """Llama's MLP on ``[..., h]``: ``down(silu(gate(x)) * up(x))``."""
+    """Llama's MLP on ``[..., h]``: ``down(silu(gate(x)) * up(x))``, over the ``[tokens, h]`` rows as
+    Megatron's linears compute (torch's backward of a 3-d ``F.linear`` holds one more ``[tokens, h]``
+    gradient than the 2-d one, which ALST's tiles are)."""
 
     def __init__(self, h: int, ffn: int, dtype: torch.dtype, seed: int) -> None:
         super().__init__()
@@ -146,7 +148,8 @@ class _SwiGLU(torch.nn.Module):
                                          for shape in ((ffn, h), (ffn, h), (h, ffn)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        rows = x.reshape(-1, x.shape[-1])  # [tokens, h]
+        return F.linear(F.silu(F.linear(rows, self.gate)) * F.linear(rows, self.up), self.down).view(x.shape)
 
 
 def _mlp_fn(impl: str, mlp: _SwiGLU, shards: int) -> Callable[[torch.Tensor], torch.Tensor]:

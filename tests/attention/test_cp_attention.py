@@ -136,7 +136,7 @@ def _ring_without_split(cases):
     from megatron_longctx.attention import ring
 
     limit = ring.OVERLAP_MAX_TOKENS
-    ring.OVERLAP_MAX_TOKENS = 0  # every shard "long": the local block runs whole, first (restored after)
+    ring.OVERLAP_MAX_TOKENS = 0  # every shard "long": the local block whole, first; dK, dV as two messages
     try:
         return _run_cases(cases)
     finally:
