@@ -307,8 +307,6 @@ def test_gpt_tiled_mlp_and_loss_match_plain_tp2():
     run_ranks(2, _gpt_tiled_matches_plain)
 
 
-
-
 def test_tiled_mlp_tiles_a_forward_without_grad():
     """Full recompute's first forward runs without grad: it is tiled too (one MLP call per tile), same output."""
     from megatron_longctx.memory.tiled_mlp import tiled_mlp
@@ -328,3 +326,25 @@ def test_tiled_mlp_tiles_a_forward_without_grad():
         out, bias = tiled_mlp(mlp, x, num_tiles=4)
     assert seen == [3, 3, 2, 2] and bias is None
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["backward", "create-graph"])
+def test_tiled_mlp_input_and_weight_gradients_match_float64(create_graph):
+    """d x gathers every tile's gradient into its rows, also under an outer ``create_graph`` backward; the
+    weights' ``.grad`` sums the tiles."""
+    from megatron_longctx.memory.tiled_mlp import tiled_mlp
+
+    gen = torch.Generator().manual_seed(3)
+    w1, w2 = (torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_() for shape in ((16, 48), (48, 16)))
+    x, g = (torch.randn(11, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    def mlp(t):  # [t, b, h] -> ([t, b, h], None)
+        return torch.nn.functional.silu(t @ w1) @ w2, None
+
+    want = torch.autograd.grad(mlp(x.requires_grad_())[0], (x, w1, w2), g)
+    x.grad = None
+    tiled = x.detach().requires_grad_()
+    out, _ = tiled_mlp(mlp, tiled * 1, num_tiles=4)  # a non-leaf input, as a layer's hidden states
+    out.backward(g, create_graph=create_graph)
+    for got, ref in zip((tiled.grad, w1.grad, w2.grad), want):
+        torch.testing.assert_close(got.detach(), ref)
