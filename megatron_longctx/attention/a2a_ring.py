@@ -200,8 +200,9 @@ def a2a_ring_attention(
 
     Three autograd nodes, as DeepSpeed's ``DistributedAttention`` has them: the all-to-alls in, the
     ring over the head-sharded tensors (:class:`.ring.RingAttention`, or :class:`HeadsAttention` for
-    Ulysses; the only node that saves anything), the all-to-all out.  In backward the engine frees the saved head-sharded q, k, v and
-    out as soon as the ring's gradients exist, before those travel back.
+    Ulysses; the only node that saves anything), the all-to-all out.  In backward the engine frees the
+    saved head-sharded tensors as soon as the ring's gradients exist, before those travel back (Ulysses'
+    gradients are its saved q, k, v, written over).
     """
     u = dist.get_world_size(a2a_group)
     schedule, halves = ring_schedule(layout.coarsen(u), args.mask), in_halves(layout, q)

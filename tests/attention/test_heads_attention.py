@@ -1,8 +1,9 @@
 """Ulysses' local attention: backward over head pieces, gradients written over the saved inputs.
 
 :class:`HeadsAttention` must give the float64 gradients of attention over the whole sequence for MHA,
-GQA and MQA (pieces of whole K/V heads; one K/V head is one piece), with windows and ``d_qk != d_v``; its returned dq lives in the saved q's memory (what saves the memory),
-and a second backward through a retained graph fails instead of reading gradients as inputs.
+GQA and MQA (pieces of whole K/V heads; one K/V head is one piece), with windows and
+``d_qk != d_v``; its returned dq lives in the saved q's memory (what saves the memory), and a second
+backward through a retained graph fails instead of reading gradients as inputs.
 """
 
 from __future__ import annotations
