@@ -32,8 +32,8 @@ import torch.distributed as dist
 from .args import AttentionArgs, kv_replication
 from .comm import all_to_all, all_to_all_rows
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
-from .ring import RingAttention, ring_forward
-from .schedule import RingSchedule, ring_schedule
+from .ring import RingAttention
+from .schedule import ring_schedule
 from .segments import attend_local_backward
 
 # The local attention's backward runs over at most this many head pieces (see :func:`head_pieces`).
@@ -151,31 +151,25 @@ def head_pieces(h_q: int, h_kv: int, max_pieces: int = MAX_HEAD_PIECES) -> list[
     return [(slice(a * g, b * g), slice(a, b)) for a, b in zip(edges, edges[1:])]
 
 
-class HeadsAttention(torch.autograd.Function):
-    """Ulysses' local attention over all tokens of this rank's heads (a ring of one rank).
+class HeadsAttention(RingAttention):
+    """Ulysses' local attention over all tokens of this rank's heads: :class:`.ring.RingAttention` over a
+    ring of one rank (``group`` None), with its own backward.
 
-    Forward as :class:`.ring.RingAttention`.  Backward runs one call per :func:`head_pieces` piece and
-    writes its dq, dk and dv over the saved q, k and v heads of that piece, which no later piece reads;
-    the gradients returned are those buffers.  Only for inputs that nothing else holds (the
-    all-to-alls' results): the in-place writes bump their version, so a second backward through a
-    retained graph fails loudly instead of reading gradients as inputs.
+    The backward runs one call per :func:`head_pieces` piece and writes its dq, dk and dv over the saved
+    q, k and v heads of that piece, which no later piece reads; the gradients returned are those
+    buffers.  Only for inputs that nothing else holds (the all-to-alls' results): the in-place writes
+    bump their version, so a second backward through a retained graph fails loudly instead of reading
+    gradients as inputs.
     """
-
-    @staticmethod
-    def forward(ctx, q, k, v, schedule: RingSchedule, args: AttentionArgs):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = ring_forward(q, k, v, None, schedule, args)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls, ctx.args = schedule.calls[0][0], args
-        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dout, calls, scale, backend = dout.contiguous(), ctx.calls, ctx.args.softmax_scale, ctx.args.backend
+        dout, calls = dout.contiguous(), ctx.schedule.calls[0][0]
+        scale, backend = ctx.args.softmax_scale, ctx.args.backend
         pieces = head_pieces(q.shape[2], k.shape[2])
         if len(pieces) == 1:
-            return (*attend_local_backward(dout, q, k, v, out, lse, calls, scale, backend), None, None)
+            return (*attend_local_backward(dout, q, k, v, out, lse, calls, scale, backend), None, None, None)
         grads = q.detach(), k.detach(), v.detach()  # written over, piece by piece
         for hq, hk in pieces:
             piece = attend_local_backward(dout[:, :, hq], q[:, :, hq], k[:, :, hk], v[:, :, hk], out[:, :, hq],
@@ -183,7 +177,7 @@ class HeadsAttention(torch.autograd.Function):
             for grad, heads, g in zip(grads, (hq, hk, hk), piece):
                 grad[:, :, heads] = g
             del piece
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def a2a_ring_attention(
@@ -212,7 +206,7 @@ def a2a_ring_attention(
     k_h = _SeqToHeads.apply(k, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_qk]
     v_h = _SeqToHeads.apply(v, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_v]
     if ring_group is None:
-        out_h = HeadsAttention.apply(q_h, k_h, v_h, schedule, args)  # [b, U*t, h_q/U, d_v]
+        out_h = HeadsAttention.apply(q_h, k_h, v_h, None, schedule, args)  # [b, U*t, h_q/U, d_v]
     else:
         out_h = RingAttention.apply(q_h, k_h, v_h, ring_group, schedule, args)
     return _HeadsToSeq.apply(out_h, a2a_group, index, halves)  # [b, t, h_q, d_v]

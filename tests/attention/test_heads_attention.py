@@ -47,7 +47,7 @@ def _run(hq, hkv, d_qk, d_v, causal, window, dtype, s=24, seed=0):
     q, k, v = (x * 1 for x in xs)
     args = attention_args(q, causal, None, window, None)
     schedule = ring_schedule(SeqLayout.dense(s, 1), args.mask)
-    out = HeadsAttention.apply(q, k, v, schedule, args)
+    out = HeadsAttention.apply(q, k, v, None, schedule, args)
     return out, dout, q, (ref, ref_grads), xs
 
 
