@@ -171,8 +171,12 @@ class HeadsAttention(RingAttention):
         if len(pieces) == 1:
             return (*attend_local_backward(dout, q, k, v, out, lse, calls, scale, backend), None, None, None)
         grads = q.detach(), k.detach(), v.detach()  # written over, piece by piece
+        # The kernels take dout contiguous (the CPU op copies a strided one on every call): each piece's
+        # is copied into one buffer, the size of the widest piece.
+        flat = dout.new_empty(dout[:, :, :max(hq.stop - hq.start for hq, _ in pieces)].numel())
         for hq, hk in pieces:
-            piece = attend_local_backward(dout[:, :, hq], q[:, :, hq], k[:, :, hk], v[:, :, hk], out[:, :, hq],
+            dout_p = flat[:dout[:, :, hq].numel()].view(dout[:, :, hq].shape).copy_(dout[:, :, hq])
+            piece = attend_local_backward(dout_p, q[:, :, hq], k[:, :, hk], v[:, :, hk], out[:, :, hq],
                                           lse[:, hq], calls, scale, backend)
             for grad, heads, g in zip(grads, (hq, hk, hk), piece):
                 grad[:, :, heads] = g

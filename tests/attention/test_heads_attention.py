@@ -1,7 +1,7 @@
 """Ulysses' local attention: backward over head pieces, gradients written over the saved inputs.
 
 :class:`HeadsAttention` must give the float64 gradients of attention over the whole sequence for MHA,
-GQA and MQA (pieces of whole K/V heads; one K/V head is one piece), with windows and
+GQA and MQA (pieces of whole K/V heads, also of unequal widths; one K/V head is one piece), with windows and
 ``d_qk != d_v``; its returned dq lives in the saved q's memory (what saves the memory), and a second
 backward through a retained graph fails instead of reading gradients as inputs.
 """
@@ -51,7 +51,7 @@ def _run(hq, hkv, d_qk, d_v, causal, window, dtype, s=24, seed=0):
     return out, dout, q, (ref, ref_grads), xs
 
 
-@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 4), (6, 3), (8, 2), (4, 1), (8, 1), (1, 1)])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 4), (6, 3), (10, 5), (8, 2), (4, 1), (8, 1), (1, 1)])
 @pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (5, 0))],
                          ids=["causal", "full", "window"])
 def test_matches_float64(hq, hkv, causal, window) -> None:
