@@ -3,7 +3,8 @@
 Each case first runs a small check shape against a float64 reference (this is also the warm-up: lazy
 initialisation belongs to no measured call), then one forward + backward at the measured shape:
 process CPU-seconds and the peak resident memory that call added (``memory.accounting.PeakMemory``:
-sampled RSS bounded by ``ru_maxrss``), per rank.  Implementations:
+sampled RSS bounded by ``ru_maxrss``), per rank; then :data:`STEADY_STEPS` more calls, timed alone (the
+steady state of a training loop, without a process's first call at the shape).  Implementations:
 
 - attention (2 gloo ranks, causal, ``[s/p, b, h, d]``): ``ours-ulysses`` and ``ours-ring``
   (:func:`megatron_longctx.attention.cp_attention`, Megatron's load-balanced shards), ``deepspeed-ulysses``
@@ -31,6 +32,7 @@ TILED_MLP = ("ours-tiled-mlp", "alst-tiled-mlp")
 TILED_LOSS = ("ours-tiled-loss", "alst-tiled-loss")
 TORCH_CP = "torch-context-parallel"
 CHECK_SEQ = 512  # the float64 check (and warm-up) shape
+STEADY_STEPS = 3  # timed calls after the measured one (their median is the steady-state time)
 
 
 def peer_unavailable(impl: str) -> str | None:
@@ -57,6 +59,22 @@ def _measure(step: Callable[[], None]) -> dict[str, float]:
         step()
         cpu = time.process_time() - start
     return {"cpu_s": cpu, "peak_added_bytes": float(peak.added_bytes)}
+
+
+def _steady(step: Callable[[], None], leaves: list[torch.Tensor], group: Any = None) -> list[float]:
+    """CPU-seconds of :data:`STEADY_STEPS` more calls of ``step`` (the gradients of ``leaves`` cleared before
+    each, ranks of ``group`` lined up by a barrier when given)."""
+    times = []
+    for _ in range(STEADY_STEPS):
+        for x in leaves:
+            x.grad = None
+        gc.collect()
+        if group is not None:
+            dist.barrier(group)
+        start = time.process_time()
+        step()
+        times.append(time.process_time() - start)
+    return times
 
 
 def _max_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -131,7 +149,8 @@ def attention_rank(case: dict[str, Any]) -> dict[str, Any]:
         fn(q, k, v).backward(dout)
 
     dist.barrier()
-    return {**_measure(step), "max_rel_err": max(errors)}
+    measured = _measure(step)
+    return {**measured, "cpu_s_steps": _steady(step, [q, k, v], group), "max_rel_err": max(errors)}
 
 
 # ---------------------------------------------------------------------------------------- tiled MLP
@@ -232,7 +251,8 @@ def tiled_rank(case: dict[str, Any]) -> dict[str, Any]:
     x, other = inputs(case["seq"], torch.float32, case["seed"] + 2)
     x.requires_grad_()
     gc.collect()
-    return {**_measure(lambda: run(fn, x, other)), "max_rel_err": max(errors)}
+    measured = _measure(lambda: run(fn, x, other))
+    return {**measured, "cpu_s_steps": _steady(lambda: run(fn, x, other), [x, *params]), "max_rel_err": max(errors)}
 
 
 # ---------------------------------------------------------------------------------------- torch CP

@@ -5,9 +5,10 @@
 Every measurement is a fresh process (a fresh pair of gloo ranks for attention) running one
 implementation: a float64 check at a small shape (also the warm-up), then one forward + backward at the
 measured shape; CPU-seconds (``time.process_time``, the slowest rank) and the peak resident memory the
-call added, per rank.  ``--rounds`` rounds alternate the order of the implementations (A B, then B A,
-...) and the table reports medians, the ratio ours / peer and the load average at the start of each
-row.  A peer that is not installed is a row ``unavailable: <reason>``.
+call added, per rank; then the steady-state time, the median of the next calls in the same process.
+``--rounds`` rounds alternate the order of the implementations (A B, then B A, ...) and the table
+reports medians, the ratios ours / peer and the load average at the start of each row.  A peer that
+is not installed is a row ``unavailable: <reason>``.
 See :mod:`megatron_longctx.bench.peer_cases` for the implementations.
 """
 
@@ -134,8 +135,10 @@ def _row(case: dict[str, Any], runs: list[list[dict]], unavailable: Optional[str
         first = next((rank for rank in failed if not rank.get("stopped")), failed[0])
         return {**row, "status": first.get("status", "failed"), "traceback": first.get("traceback")}
     cpu = [max(rank["cpu_s"] for rank in run) for run in runs]  # the slowest rank of each run
+    steady = [statistics.median(max(steps) for steps in zip(*(rank["cpu_s_steps"] for rank in run))) for run in runs]
     peaks = [[rank["peak_added_bytes"] for rank in run] for run in runs]
     return {**row, "status": "ok", "rounds": len(runs), "cpu_s": cpu, "cpu_s_median": statistics.median(cpu),
+            "cpu_s_steady": steady, "cpu_s_steady_median": statistics.median(steady),
             "peak_mib_per_rank_median": [statistics.median(p[i] for p in peaks) / 2**20 for i in range(len(peaks[0]))],
             "peak_mib_median": statistics.median(max(p) for p in peaks) / 2**20,
             "max_rel_err_vs_float64": max(rank["max_rel_err"] for run in runs for rank in run)}
@@ -155,6 +158,7 @@ def pair_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 entry["status"] = (b or {}).get("status", "peer not measured") if a["status"] == "ok" else a["status"]
             else:
                 entry.update(status="ok", time_ratio=a["cpu_s_median"] / b["cpu_s_median"],
+                             time_ratio_steady=a["cpu_s_steady_median"] / b["cpu_s_steady_median"],
                              mem_ratio=a["peak_mib_median"] / max(b["peak_mib_median"], 1e-9))
             out.append(entry)
     return out
@@ -171,31 +175,35 @@ def _row_line(r: dict[str, Any]) -> str:
     shape = f"s={r['seq']}" + (f" hkv={r['hkv']}" if "hkv" in r else "") + (f" h={r['hidden']}" if "hidden" in r else "")
     if r["status"] != "ok":
         return f"  {r['impl']:<24} {shape:<18} {r['status']}"
-    return (f"  {r['impl']:<24} {shape:<18} CPU {r['cpu_s_median']:.3f} s  peak {r['peak_mib_median']:.1f} MiB/rank  "
-            f"err {r['max_rel_err_vs_float64']:.1e}  (load {r['loadavg']})")
+    return (f"  {r['impl']:<24} {shape:<18} CPU {r['cpu_s_median']:.3f} s (steady {r['cpu_s_steady_median']:.3f})  "
+            f"peak {r['peak_mib_median']:.1f} MiB/rank  err {r['max_rel_err_vs_float64']:.1e}  (load {r['loadavg']})")
 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = ["### Peers side by side (CPU, float32, fresh process per measurement)", "",
-             f"Medians of {result['rounds']} alternating rounds; time = CPU-seconds of one forward + backward "
-             "(slowest rank); memory = peak RSS the call added per rank; error = max |x - x64| / max |x64| over "
-             "output and gradients at a 512-token check shape.", "",
-             "| implementation | case | seq | KV heads | CPU s | peak MiB/rank | err vs float64 | load avg |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             f"Medians of {result['rounds']} alternating rounds; time = CPU-seconds of the first forward + backward "
+             f"at the shape (slowest rank); steady = the median of the {cases.STEADY_STEPS} calls after it in the "
+             "same process; memory = peak RSS the first call added per rank; error = max |x - x64| / max |x64| "
+             "over output and gradients at a 512-token check shape.", "",
+             "| implementation | case | seq | KV heads | CPU s | CPU s (steady) | peak MiB/rank | err vs float64 "
+             "| load avg |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['impl']} | {r['kind']} | {r['seq']} | {r.get('hkv', '–')} | {r['status']} | | | "
+            lines.append(f"| {r['impl']} | {r['kind']} | {r['seq']} | {r.get('hkv', '–')} | {r['status']} | | | | "
                          f"{r['loadavg']} |")
             continue
         lines.append(f"| {r['impl']} | {r['kind']} | {r['seq']} | {r.get('hkv', '–')} | {r['cpu_s_median']:.3f} "
-                     f"| {r['peak_mib_median']:.1f} | {r['max_rel_err_vs_float64']:.1e} | {r['loadavg']} |")
-    lines += ["", "| ours / peer | seq | KV heads | time | peak memory |", "|---|---:|---:|---:|---:|"]
+                     f"| {r['cpu_s_steady_median']:.3f} | {r['peak_mib_median']:.1f} "
+                     f"| {r['max_rel_err_vs_float64']:.1e} | {r['loadavg']} |")
+    lines += ["", "| ours / peer | seq | KV heads | time | time (steady) | peak memory |",
+              "|---|---:|---:|---:|---:|---:|"]
     for p in result["pairs"]:
         if p["status"] != "ok":
-            lines.append(f"| {p['ours']} / {p['peer']} | {p['seq']} | {p['hkv'] or '–'} | {p['status']} | |")
+            lines.append(f"| {p['ours']} / {p['peer']} | {p['seq']} | {p['hkv'] or '–'} | {p['status']} | | |")
         else:
             lines.append(f"| {p['ours']} / {p['peer']} | {p['seq']} | {p['hkv'] or '–'} | {p['time_ratio']:.3f} "
-                         f"| {p['mem_ratio']:.3f} |")
+                         f"| {p['time_ratio_steady']:.3f} | {p['mem_ratio']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

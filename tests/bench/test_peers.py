@@ -39,6 +39,7 @@ def test_tiled_cases_in_process_match_float64(impl):
     out = peer_cases.tiled_rank(case)
     assert out["max_rel_err"] < 1e-5
     assert out["cpu_s"] > 0 and out["peak_added_bytes"] >= 0
+    assert len(out["cpu_s_steps"]) == peer_cases.STEADY_STEPS and min(out["cpu_s_steps"]) > 0
 
 
 def test_attention_and_torch_cp_rows_on_two_ranks(tmp_path):
@@ -60,10 +61,25 @@ def test_attention_and_torch_cp_rows_on_two_ranks(tmp_path):
         assert ds["status"] == "ok" and ds["max_rel_err_vs_float64"] < 1e-5
         pair = {(p["ours"], p["peer"]): p for p in result["pairs"]}[("ours-ulysses", "deepspeed-ulysses")]
         assert pair["status"] == "ok" and pair["time_ratio"] > 0 and pair["mem_ratio"] > 0
+        assert pair["time_ratio_steady"] == rows["ours-ulysses"]["cpu_s_steady_median"] / ds["cpu_s_steady_median"]
     # torch's context_parallel on CPU: the row names exactly what fails (or says it ran)
     tcp = rows["torch-context-parallel"]["status"]
     assert tcp.startswith("ok") or ("fails on CPU" in tcp and "Error" in tcp)
     assert "| ours-ulysses / deepspeed-ulysses |" in (tmp_path / "peers.md").read_text()
+
+
+def test_steady_time_is_the_slowest_rank_per_call_then_medians():
+    case = {"kind": "attention", "impl": "ours-ring", "seq": 512}
+
+    def rank(cpu, steps):
+        return {"cpu_s": cpu, "cpu_s_steps": steps, "peak_added_bytes": 2.0**20, "max_rel_err": 0.0}
+
+    runs = [[rank(1.0, [0.5, 0.9, 0.4]), rank(2.0, [0.6, 0.1, 0.3])],  # slowest per call: 0.6, 0.9, 0.4
+            [rank(3.0, [0.2, 0.2, 0.2]), rank(1.0, [0.1, 0.1, 0.1])],  # 0.2, 0.2, 0.2
+            [rank(1.5, [1.0, 2.0, 3.0]), rank(1.5, [0.0, 0.0, 0.0])]]  # 1.0, 2.0, 3.0
+    row = peers._row(case, runs, None, "0")
+    assert row["cpu_s"] == [2.0, 3.0, 1.5] and row["cpu_s_median"] == 2.0
+    assert row["cpu_s_steady"] == [0.6, 0.2, 2.0] and row["cpu_s_steady_median"] == 0.6
 
 
 def _rank_one_raises(case):
