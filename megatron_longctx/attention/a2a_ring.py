@@ -175,7 +175,8 @@ class HeadsAttention(RingAttention):
         # is copied into one buffer, the size of the widest piece.
         flat = dout.new_empty(dout[:, :, :max(hq.stop - hq.start for hq, _ in pieces)].numel())
         for hq, hk in pieces:
-            dout_p = flat[:dout[:, :, hq].numel()].view(dout[:, :, hq].shape).copy_(dout[:, :, hq])
+            strided = dout[:, :, hq]
+            dout_p = flat[:strided.numel()].view(strided.shape).copy_(strided)
             piece = attend_local_backward(dout_p, q[:, :, hq], k[:, :, hk], v[:, :, hk], out[:, :, hq],
                                           lse[:, hq], calls, scale, backend)
             for grad, heads, g in zip(grads, (hq, hk, hk), piece):
