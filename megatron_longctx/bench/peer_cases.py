@@ -14,6 +14,9 @@ steady state of a training loop, without a process's first call at the shape).  
 - tiled logits + loss (one process, mean token loss): ``ours-tiled-loss`` and ``alst-tiled-loss``
   (``TiledFusedLogitsLoss`` over ``F.cross_entropy``);
 - ``torch-context-parallel`` (2 gloo ranks): torch's ``context_parallel`` around SDPA.
+
+:func:`interleaved_rank` times the implementations of one shape in turn in the same process (pair of
+ranks), one call each per round: the per-round ratios compare calls that met the same machine state.
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ def _measure(step: Callable[[], None]) -> dict[str, float]:
     return {"cpu_s": cpu, "peak_added_bytes": float(peak.added_bytes)}
 
 
-def _steady(step: Callable[[], None], leaves: list[torch.Tensor], group: Any = None) -> list[float]:
-    """CPU-seconds of :data:`STEADY_STEPS` more calls of ``step`` (the gradients of ``leaves`` cleared before
-    each, ranks of ``group`` lined up by a barrier when given)."""
+def _steady(step: Callable[[], None], leaves: list[torch.Tensor], group: Any = None,
+            calls: int = STEADY_STEPS) -> list[float]:
+    """CPU-seconds of ``calls`` more calls of ``step`` (the gradients of ``leaves`` cleared before each, ranks
+    of ``group`` lined up by a barrier when given)."""
     times = []
-    for _ in range(STEADY_STEPS):
+    for _ in range(calls):
         for x in leaves:
             x.grad = None
         gc.collect()
@@ -124,6 +128,20 @@ def _attention_reference(q, k, v, dout) -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _attention_step(case: dict[str, Any], fn: Callable, shard: Callable) -> tuple[Callable[[], None], list]:
+    """(one forward + backward at the measured shape, its leaves): only this rank's shards stay alive."""
+    glob = _attention_inputs(case["seq"], case["hq"], case["hkv"], case["d"], torch.float32, case["seed"] + 1)
+    q, k, v, dout = (shard(x).clone() for x in glob)
+    del glob
+    for x in (q, k, v):
+        x.requires_grad_()
+
+    def step() -> None:
+        fn(q, k, v).backward(dout)
+
+    return step, [q, k, v]
+
+
 def attention_rank(case: dict[str, Any]) -> dict[str, Any]:
     """One attention case on this rank (inside an initialised gloo group)."""
     torch.set_num_threads(1)
@@ -138,19 +156,10 @@ def attention_rank(case: dict[str, Any]) -> dict[str, Any]:
     out.backward(shard(glob[3]))
     errors = [_max_err(got, shard(r)) for got, r in zip((out, q.grad, k.grad, v.grad), ref)]
     del glob, ref, q, k, v, out
-    # measured shape: only this rank's shards stay alive
-    glob = _attention_inputs(case["seq"], hq, hkv, d, torch.float32, case["seed"] + 1)
-    q, k, v, dout = (shard(x).clone() for x in glob)
-    del glob
-    for x in (q, k, v):
-        x.requires_grad_()
-
-    def step() -> None:
-        fn(q, k, v).backward(dout)
-
+    step, leaves = _attention_step(case, fn, shard)
     dist.barrier()
     measured = _measure(step)
-    return {**measured, "cpu_s_steps": _steady(step, [q, k, v], group), "max_rel_err": max(errors)}
+    return {**measured, "cpu_s_steps": _steady(step, leaves, group), "max_rel_err": max(errors)}
 
 
 # ---------------------------------------------------------------------------------------- tiled MLP
@@ -199,41 +208,54 @@ def _loss_fn(impl: str, weight: torch.Tensor, shards: int) -> Callable[[torch.Te
     return lambda x, y: TiledFusedLogitsLoss.apply(fn, head, x.transpose(0, 1), y, None, shards, [weight], "mean")
 
 
+def _tiled_build(case: dict[str, Any], dtype: torch.dtype) -> tuple[Callable, list[torch.Tensor]]:
+    """(the implementation ``case["impl"]`` as a function, its parameters) in ``dtype``."""
+    impl, h = case["impl"], case["hidden"]
+    if impl in TILED_MLP:
+        mlp = _SwiGLU(h, case["ffn"], dtype, case["seed"])
+        return _mlp_fn(impl, mlp, case["shards"]), list(mlp.parameters())
+    g = torch.Generator().manual_seed(case["seed"])
+    weight = torch.nn.Parameter(torch.randn(case["vocab"], h, generator=g, dtype=torch.float64).to(dtype))
+    return _loss_fn(impl, weight, case["shards"]), [weight]
+
+
+def _tiled_inputs(case: dict[str, Any], s: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, Any]:
+    """(x ``[s, b, h]``, the gradient of the MLP's output or the loss's labels ``[b, s]``)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s, 1, case["hidden"], generator=g, dtype=torch.float64).to(dtype)  # [s, b, h]
+    if case["impl"] in TILED_MLP:
+        return x, torch.randn(s, 1, case["hidden"], generator=g, dtype=torch.float64).to(dtype)  # d out
+    return x, torch.randint(0, case["vocab"], (1, s), generator=g)  # labels [b, s]
+
+
+def _tiled_run(impl: str, fn: Callable, x: torch.Tensor, other: Any) -> torch.Tensor:
+    """Forward and backward of the MLP (``other`` its output gradient) or of the loss (``other`` the labels)."""
+    if impl in TILED_MLP:
+        out = fn(x)
+        out.backward(other)
+    else:
+        out = fn(x, other)
+        out.backward()
+    return out
+
+
+def _tiled_step(case: dict[str, Any], fn: Callable, params: list[torch.Tensor]) -> tuple[Callable[[], None], list]:
+    """(one forward + backward at the measured shape, its leaves)."""
+    x, other = _tiled_inputs(case, case["seq"], torch.float32, case["seed"] + 2)
+    x.requires_grad_()
+    return (lambda: _tiled_run(case["impl"], fn, x, other)), [x, *params]
+
+
 def tiled_rank(case: dict[str, Any]) -> dict[str, Any]:
     """One tiled MLP / tiled loss case in this process."""
     torch.set_num_threads(1)
-    impl, h = case["impl"], case["hidden"]
-
-    def build(dtype: torch.dtype) -> tuple[Callable, list[torch.Tensor]]:
-        if impl in TILED_MLP:
-            mlp = _SwiGLU(h, case["ffn"], dtype, case["seed"])
-            return _mlp_fn(impl, mlp, case["shards"]), list(mlp.parameters())
-        g = torch.Generator().manual_seed(case["seed"])
-        weight = torch.nn.Parameter(torch.randn(case["vocab"], h, generator=g, dtype=torch.float64).to(dtype))
-        return _loss_fn(impl, weight, case["shards"]), [weight]
-
-    def inputs(s: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, Any]:
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(s, 1, h, generator=g, dtype=torch.float64).to(dtype)  # [s, b, h]
-        if impl in TILED_MLP:
-            return x, torch.randn(s, 1, h, generator=g, dtype=torch.float64).to(dtype)  # d out
-        return x, torch.randint(0, case["vocab"], (1, s), generator=g)  # labels [b, s]
-
-    def run(fn: Callable, x: torch.Tensor, other: Any) -> torch.Tensor:
-        if impl in TILED_MLP:
-            out = fn(x)
-            out.backward(other)
-        else:
-            out = fn(x, other)
-            out.backward()
-        return out
-
+    impl = case["impl"]
     # float64 check: the plain untiled computation, then ours/ALST in float32 against it
-    fn64, params64 = build(torch.float64)
-    x64, other = inputs(CHECK_SEQ, torch.float64, case["seed"] + 1)
+    fn64, params64 = _tiled_build(case, torch.float64)
+    x64, other = _tiled_inputs(case, CHECK_SEQ, torch.float64, case["seed"] + 1)
     x64.requires_grad_()
     if impl in TILED_MLP:
-        mlp64 = _SwiGLU(h, case["ffn"], torch.float64, case["seed"])
+        mlp64 = _SwiGLU(case["hidden"], case["ffn"], torch.float64, case["seed"])
         ref_out = mlp64(x64)
         ref_out.backward(other)
         ref = [ref_out.detach(), x64.grad] + [p.grad for p in mlp64.parameters()]
@@ -241,18 +263,41 @@ def tiled_rank(case: dict[str, Any]) -> dict[str, Any]:
         ref_out = F.cross_entropy((x64 @ params64[0].t()).reshape(CHECK_SEQ, -1), other.t().reshape(-1))
         ref_out.backward()
         ref = [ref_out.detach(), x64.grad, params64[0].grad]
-    fn, params = build(torch.float32)
+    fn, params = _tiled_build(case, torch.float32)
     x = x64.detach().float().requires_grad_()
-    out = run(fn, x, other.float() if impl in TILED_MLP else other)
+    out = _tiled_run(impl, fn, x, other.float() if impl in TILED_MLP else other)
     errors = [_max_err(got, r) for got, r in zip([out.detach(), x.grad] + [p.grad for p in params], ref)]
     del fn64, params64, x64, ref, ref_out, x, out
     for p in params:
         p.grad = None
-    x, other = inputs(case["seq"], torch.float32, case["seed"] + 2)
-    x.requires_grad_()
+    step, leaves = _tiled_step(case, fn, params)
     gc.collect()
-    measured = _measure(lambda: run(fn, x, other))
-    return {**measured, "cpu_s_steps": _steady(lambda: run(fn, x, other), [x, *params]), "max_rel_err": max(errors)}
+    measured = _measure(step)
+    return {**measured, "cpu_s_steps": _steady(step, leaves), "max_rel_err": max(errors)}
+
+
+# ---------------------------------------------------------------------------------------- interleaved
+def interleaved_rank(case: dict[str, Any]) -> dict[str, list[float]]:
+    """The implementations ``case["impls"]`` of one shape in this process (pair of gloo ranks for attention):
+    one untimed call each, then ``case["rounds"]`` rounds of one timed call each, the order reversed every
+    round, so that every implementation meets the same process, allocator and neighbour load.  Returns
+    ``{impl: [CPU-seconds of its call in each round]}`` for this rank."""
+    torch.set_num_threads(1)
+    group = dist.group.WORLD if case["kind"] == "attention" else None
+    steps = {}
+    for impl in case["impls"]:
+        one = {**case, "impl": impl}
+        if group is not None:
+            steps[impl] = _attention_step(one, *_attention_fn(impl, group))
+        else:
+            steps[impl] = _tiled_step(one, *_tiled_build(one, torch.float32))
+    for impl, (step, leaves) in steps.items():
+        _steady(step, leaves, group, calls=1)  # warm-up
+    times: dict[str, list[float]] = {impl: [] for impl in steps}
+    for r in range(case["rounds"]):
+        for impl in (case["impls"] if r % 2 == 0 else case["impls"][::-1]):
+            times[impl] += _steady(*steps[impl], group, calls=1)
+    return times
 
 
 # ---------------------------------------------------------------------------------------- torch CP

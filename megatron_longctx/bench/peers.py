@@ -7,8 +7,12 @@ implementation: a float64 check at a small shape (also the warm-up), then one fo
 measured shape; CPU-seconds (``time.process_time``, the slowest rank) and the peak resident memory the
 call added, per rank; then the steady-state time, the median of the next calls in the same process.
 ``--rounds`` rounds alternate the order of the implementations (A B, then B A, ...) and the table
-reports medians, the ratios ours / peer and the load average at the start of each row.  A peer that
-is not installed is a row ``unavailable: <reason>``.
+reports medians, the ratios ours / peer and the load average at the start of each row.  Then, per
+shape, one more process (pair of ranks) runs every implementation in turn for
+``--interleaved-rounds`` rounds, one call each per round, the order reversed every round: the ratio of
+two calls of one round compares them under the same machine state, and the table gives the median of
+those per-round ratios with their quartiles (a ratio whose quartiles straddle 1.0 is a tie on this
+machine).  A peer that is not installed is a row ``unavailable: <reason>``.
 See :mod:`megatron_longctx.bench.peer_cases` for the implementations.
 """
 
@@ -41,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiled-seqs", default="16384,32768", help="sequence lengths of the tiled MLP / loss cases")
     p.add_argument("--hidden-size", type=int, default=256, help="tiled cases: h (Llama proportions: ffn 3.5h, V 32h)")
     p.add_argument("--shards", type=int, default=16, help="tiles of both tiled implementations")
+    p.add_argument("--interleaved-rounds", type=int, default=11,
+                   help="rounds of the same-process interleaved timing per shape (0: none)")
     p.add_argument("--only", default=None, help="comma-separated implementations (default: all)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per process")
     return p
@@ -98,8 +104,9 @@ def _shape_key(case: dict[str, Any]) -> tuple:
 
 
 def measure_all(all_cases: list[dict[str, Any]], rounds: int, timeout: float,
-                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Each case ``rounds`` times in fresh processes, alternating the order within each shape; one row per case."""
+                log: Callable[[str], None] = print, interleaved_rounds: int = 0) -> list[dict[str, Any]]:
+    """Each case ``rounds`` times in fresh processes, alternating the order within each shape, then (with
+    ``interleaved_rounds``) the implementations of each shape interleaved in one process; one row per case."""
     rows: list[dict[str, Any]] = []
     groups: dict[tuple, list[dict]] = {}
     for case in all_cases:
@@ -115,10 +122,31 @@ def measure_all(all_cases: list[dict[str, Any]], rounds: int, timeout: float,
                     continue
                 fn, world = _entry(case["kind"])
                 runs[case["impl"]].append(run_fresh(fn, case, world, timeout))
+        interleaved = _interleaved(group, unavailable, interleaved_rounds, timeout)
         for case in group:
             rows.append(_row(case, runs[case["impl"]], unavailable[case["impl"]], load))
+            if rows[-1]["status"] == "ok" and case["impl"] in interleaved:
+                rows[-1]["cpu_s_interleaved"] = interleaved[case["impl"]]
             log(_row_line(rows[-1]))
     return rows
+
+
+def _interleaved(group: list[dict], unavailable: dict[str, Optional[str]], rounds: int,
+                 timeout: float) -> dict[str, Any]:
+    """``{impl: [CPU-seconds of each round, the slowest rank]}`` from one :func:`.peer_cases.interleaved_rank`
+    process (pair of ranks) over the available implementations of one shape; ``{impl: "failed: ..."}`` when it
+    failed; empty when fewer than two can run or ``rounds`` is 0."""
+    impls = [c["impl"] for c in group if not unavailable[c["impl"]]]
+    if rounds < 1 or len(impls) < 2 or group[0]["kind"] == "torch-cp":
+        return {}
+    case = {k: v for k, v in group[0].items() if k != "impl"}
+    run = run_fresh(cases.interleaved_rank, {**case, "impls": impls, "rounds": rounds}, _entry(case["kind"])[1],
+                    timeout)
+    failed = [rank for rank in run if "status" in rank]
+    if failed:
+        first = next((rank for rank in failed if not rank.get("stopped")), failed[0])
+        return {impl: first["status"] for impl in impls}
+    return {impl: [max(rank[impl][i] for rank in run) for i in range(rounds)] for impl in impls}
 
 
 def _entry(kind: str) -> tuple[Callable, int]:
@@ -159,9 +187,33 @@ def pair_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 entry.update(status="ok", time_ratio=a["cpu_s_median"] / b["cpu_s_median"],
                              time_ratio_steady=a["cpu_s_steady_median"] / b["cpu_s_steady_median"],
-                             mem_ratio=a["peak_mib_median"] / max(b["peak_mib_median"], 1e-9))
+                             mem_ratio=a["peak_mib_median"] / max(b["peak_mib_median"], 1e-9),
+                             **interleaved_ratio(a.get("cpu_s_interleaved"), b.get("cpu_s_interleaved")))
             out.append(entry)
     return out
+
+
+def interleaved_ratio(ours: Any, peer: Any) -> dict[str, Any]:
+    """The median and quartiles of the per-round ratios ours / peer of two interleaved timings (lists of
+    CPU-seconds, one per round), and what they say: ``faster`` (the upper quartile is below 1), ``slower``
+    (the lower quartile is above 1) or ``tie``; the failure text when a timing failed, nothing when absent."""
+    if ours is None or peer is None:
+        return {}
+    if isinstance(ours, str) or isinstance(peer, str):
+        return {"time_ratio_interleaved_status": ours if isinstance(ours, str) else peer}
+    ratios = [a / b for a, b in zip(ours, peer)]
+    q1, q3 = (statistics.quantiles(ratios, n=4, method="inclusive")[i] for i in (0, 2)) if len(ratios) > 1 \
+        else (ratios[0], ratios[0])
+    verdict = "faster" if q3 < 1.0 else "slower" if q1 > 1.0 else "tie"
+    return {"time_ratio_interleaved": statistics.median(ratios), "time_ratio_interleaved_quartiles": [q1, q3],
+            "time_ratio_interleaved_rounds": len(ratios), "time_ratio_interleaved_verdict": verdict}
+
+
+def _interleaved_cell(p: dict[str, Any]) -> str:
+    if "time_ratio_interleaved" in p:
+        q1, q3 = p["time_ratio_interleaved_quartiles"]
+        return f"{p['time_ratio_interleaved']:.3f} [{q1:.3f}–{q3:.3f}] {p['time_ratio_interleaved_verdict']}"
+    return p.get("time_ratio_interleaved_status", "–")
 
 
 def _loadavg() -> str:
@@ -196,14 +248,18 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['impl']} | {r['kind']} | {r['seq']} | {r.get('hkv', '–')} | {r['cpu_s_median']:.3f} "
                      f"| {r['cpu_s_steady_median']:.3f} | {r['peak_mib_median']:.1f} "
                      f"| {r['max_rel_err_vs_float64']:.1e} | {r['loadavg']} |")
-    lines += ["", "| ours / peer | seq | KV heads | time | time (steady) | peak memory |",
-              "|---|---:|---:|---:|---:|---:|"]
+    rounds = result.get("interleaved_rounds", 0)
+    lines += ["", f"Interleaved: one process (pair of ranks) per shape, each implementation timed once per round for "
+              f"{rounds} rounds, the order reversed every round; the median of the per-round ratios "
+              "[lower–upper quartile]; a tie when the quartiles straddle 1.0.", "",
+              "| ours / peer | seq | KV heads | time | time (steady) | time (interleaved) | peak memory |",
+              "|---|---:|---:|---:|---:|---|---:|"]
     for p in result["pairs"]:
         if p["status"] != "ok":
-            lines.append(f"| {p['ours']} / {p['peer']} | {p['seq']} | {p['hkv'] or '–'} | {p['status']} | | |")
+            lines.append(f"| {p['ours']} / {p['peer']} | {p['seq']} | {p['hkv'] or '–'} | {p['status']} | | | |")
         else:
             lines.append(f"| {p['ours']} / {p['peer']} | {p['seq']} | {p['hkv'] or '–'} | {p['time_ratio']:.3f} "
-                         f"| {p['time_ratio_steady']:.3f} | {p['mem_ratio']:.3f} |")
+                         f"| {p['time_ratio_steady']:.3f} | {_interleaved_cell(p)} | {p['mem_ratio']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -212,8 +268,11 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         raise ValueError(f"--rounds {args.rounds}: give at least 1 (5 or more to compare times)")
     for key, value in RSS_TRACKS_TENSORS_ENV.items():  # the spawned ranks inherit it: RSS follows live tensors
         os.environ.setdefault(key, value)
-    rows = measure_all(case_list(args), args.rounds, args.timeout, log)
-    return {"schema": SCHEMA, "rounds": args.rounds, "rows": rows, "pairs": pair_rows(rows)}
+    if args.interleaved_rounds < 0:
+        raise ValueError(f"--interleaved-rounds {args.interleaved_rounds}: give 0 (none) or more")
+    rows = measure_all(case_list(args), args.rounds, args.timeout, log, args.interleaved_rounds)
+    return {"schema": SCHEMA, "rounds": args.rounds, "interleaved_rounds": args.interleaved_rounds, "rows": rows,
+            "pairs": pair_rows(rows)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

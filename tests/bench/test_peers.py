@@ -45,7 +45,7 @@ def test_tiled_cases_in_process_match_float64(impl):
 def test_attention_and_torch_cp_rows_on_two_ranks(tmp_path):
     only = "ours-ring,ours-ulysses,deepspeed-ulysses,torch-context-parallel"
     rc = peers.main(["--out-dir", str(tmp_path), "--rounds", "1", "--attention-seqs", "512", "--kv-heads", "2",
-                     "--tiled-seqs", "", "--only", only])
+                     "--tiled-seqs", "", "--only", only, "--interleaved-rounds", "3"])
     assert rc == 0
     import json
 
@@ -62,6 +62,10 @@ def test_attention_and_torch_cp_rows_on_two_ranks(tmp_path):
         pair = {(p["ours"], p["peer"]): p for p in result["pairs"]}[("ours-ulysses", "deepspeed-ulysses")]
         assert pair["status"] == "ok" and pair["time_ratio"] > 0 and pair["mem_ratio"] > 0
         assert pair["time_ratio_steady"] == rows["ours-ulysses"]["cpu_s_steady_median"] / ds["cpu_s_steady_median"]
+        assert pair["time_ratio_interleaved_rounds"] == 3 and pair["time_ratio_interleaved"] > 0
+    for impl in ("ours-ring", "ours-ulysses"):  # interleaved in one pair of ranks, one call per round each
+        assert len(rows[impl]["cpu_s_interleaved"]) == 3 and min(rows[impl]["cpu_s_interleaved"]) > 0
+    assert "cpu_s_interleaved" not in rows["torch-context-parallel"]
     # torch's context_parallel on CPU: the row names exactly what fails (or says it ran)
     tcp = rows["torch-context-parallel"]["status"]
     assert tcp.startswith("ok") or ("fails on CPU" in tcp and "Error" in tcp)
@@ -80,6 +84,40 @@ def test_steady_time_is_the_slowest_rank_per_call_then_medians():
     row = peers._row(case, runs, None, "0")
     assert row["cpu_s"] == [2.0, 3.0, 1.5] and row["cpu_s_median"] == 2.0
     assert row["cpu_s_steady"] == [0.6, 0.2, 2.0] and row["cpu_s_steady_median"] == 0.6
+
+
+def test_interleaved_ratio_is_the_median_of_per_round_ratios_with_quartiles_and_a_verdict():
+    peer = [1.0, 2.0, 4.0, 1.0, 2.0]
+    faster = peers.interleaved_ratio([0.9, 1.8, 3.2, 0.95, 1.7], peer)  # per round 0.9 0.9 0.8 0.95 0.85
+    assert faster["time_ratio_interleaved"] == pytest.approx(0.9)
+    assert faster["time_ratio_interleaved_quartiles"] == pytest.approx([0.85, 0.9])
+    assert faster["time_ratio_interleaved_rounds"] == 5 and faster["time_ratio_interleaved_verdict"] == "faster"
+    # medians of the raw times would say 1.8 / 2.0 = 0.9 too, but these rounds straddle 1.0: a tie
+    tie = peers.interleaved_ratio([0.8, 2.4, 3.6, 1.1, 1.8], peer)  # 0.8 1.2 0.9 1.1 0.9
+    assert tie["time_ratio_interleaved"] == pytest.approx(0.9) and tie["time_ratio_interleaved_verdict"] == "tie"
+    slower = peers.interleaved_ratio([1.1, 2.4, 4.8, 1.3, 2.2], peer)  # 1.1 1.2 1.2 1.3 1.1
+    assert slower["time_ratio_interleaved"] == pytest.approx(1.2) and slower["time_ratio_interleaved_verdict"] == "slower"
+    assert peers.interleaved_ratio(None, peer) == {}
+    failed = peers.interleaved_ratio("failed: RuntimeError: x", peer)
+    assert failed == {"time_ratio_interleaved_status": "failed: RuntimeError: x"}
+    row = {"ours": "ours-ring", "peer": "deepspeed-ulysses", "seq": 512, "hkv": 2, "status": "ok", "time_ratio": 1.0,
+           "time_ratio_steady": 1.0, "mem_ratio": 1.0}
+    table = peers.markdown({"rounds": 1, "interleaved_rounds": 5, "rows": [],
+                            "pairs": [{**row, **faster}, {**row, **failed}]})
+    assert "| 0.900 [0.850–0.900] faster |" in table and "| failed: RuntimeError: x |" in table
+
+
+def test_a_failed_interleaved_timing_is_reported_on_each_row(monkeypatch):
+    monkeypatch.setattr(peer_cases, "interleaved_rank", _interleaved_rank_one_raises)
+    group = [{"kind": "attention", "impl": impl, "seq": 512} for impl in ("ours-ring", "ours-ulysses")]
+    out = peers._interleaved(group, {"ours-ring": None, "ours-ulysses": None}, 3, timeout=600)
+    status = "failed: ValueError: no ours-ring, ours-ulysses here"
+    assert out == {"ours-ring": status, "ours-ulysses": status}
+    assert peers._interleaved(group, {"ours-ring": None, "ours-ulysses": "not installed"}, 3, 600) == {}
+
+
+def _interleaved_rank_one_raises(case):
+    return _rank_one_raises({"impl": ", ".join(case["impls"])})
 
 
 def _rank_one_raises(case):
