@@ -13,7 +13,10 @@ take the same path (a dense sequence is one document).
 Memory: q, k, v (and the gradients in backward) each travel in their own all-to-all, as
 DeepSpeed's ``DistributedAttention`` does, so at most one tensor's send buffer, receive buffer and
 reordered copy are alive at a time, not three of each; the head-sharded tensors saved for backward
-are freed before the gradients travel back (:func:`a2a_ring_attention`).  Ulysses' local attention
+are freed before the gradients travel back (:func:`a2a_ring_attention`).  Short shards (up to
+:data:`PACK_MAX_TOKENS` local tokens) are latency-bound instead: q, k and v travel in one all-to-all
+(:func:`seq_to_heads_packed`) and so do their gradients, and every all-to-all is a single collective:
+four per forward and backward, where the per-tensor path issues eight, or sixteen with the halves.  Ulysses' local attention
 (:class:`HeadsAttention`) runs its backward over pieces of its heads and writes each piece's
 gradients over the head-sharded q, k, v it no longer reads, which the all-to-alls made for it
 alone: the backward holds one piece's gradients beside the saved tensors, not all of them.
@@ -25,6 +28,8 @@ the gradients of the copies are summed.  Layout inside: ``[b, t, h, d]``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,9 @@ from .segments import attend_local_backward
 
 # The local attention's backward runs over at most this many head pieces (see :func:`head_pieces`).
 MAX_HEAD_PIECES = 4
+# Local tokens up to which q, k, v travel in one all-to-all (and their gradients in one), each all-to-all a
+# single collective: a collective's fixed cost outweighs the buffers of so few tokens.
+PACK_MAX_TOKENS = 1024
 
 
 def replicate_kv(x: torch.Tensor, f: int) -> torch.Tensor:
@@ -112,6 +120,61 @@ def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, index, halves: bool 
     recv = all_to_all(send.view(u, -1), group).view(u, b, t, hh, d)  # [U (head group), b, t, h/U, d]
     del send
     return recv.permute(1, 2, 0, 3, 4).reshape(b, t, u * hh, d)  # [b, t, h, d]
+
+
+def _columns(buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of ``buf`` ``[U, sum n_i]`` as ``[U, *shape_i[1:]]`` each, side by side along its columns."""
+    views, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape[1:])
+        views.append(buf[:, offset:offset + n].view(shape))
+        offset += n
+    return views
+
+
+def seq_to_heads_packed(xs: list[torch.Tensor], group: dist.ProcessGroup, index) -> list[torch.Tensor]:
+    """:func:`seq_to_heads` of several tensors ``[b, t, h_i, d_i]`` (this rank's shards, one dtype) in one
+    all-to-all: one send buffer ``[U, sum n_i]``, its receive buffer, then one reordering gather each ->
+    ``[b, U*t, h_i/U, d_i]``."""
+    u = dist.get_world_size(group)
+    per_group = [x.view(x.shape[0], x.shape[1], u, x.shape[2] // u, x.shape[3]).permute(2, 0, 1, 3, 4)
+                 for x in xs]  # [U (head group), b, t, h_i/U, d_i] views
+    shapes = [tuple(x.shape) for x in per_group]
+    send = xs[0].new_empty(u, sum(math.prod(shape[1:]) for shape in shapes))  # [U, sum n_i]
+    for column, x in zip(_columns(send, shapes), per_group):
+        column.copy_(x)
+    recv = all_to_all(send, group)  # [U (source rank), sum n_i]
+    del send
+    return [from_ranks(column, index) for column in _columns(recv, shapes)]  # [b, U*t, h_i/U, d_i] each
+
+
+def heads_to_seq_packed(ys: list[torch.Tensor], group: dist.ProcessGroup, index) -> list[torch.Tensor]:
+    """Inverse of :func:`seq_to_heads_packed` (same ``index``): ``[b, U*t, h_i/U, d_i]`` each -> ``[b, t, h_i, d_i]``."""
+    u = dist.get_world_size(group)
+    shapes = [(u, y.shape[0], y.shape[1] // u, *y.shape[2:]) for y in ys]  # [U, b, t, h_i/U, d_i]
+    send = ys[0].new_empty(u, sum(math.prod(shape[1:]) for shape in shapes))  # [U (destination rank), sum n_i]
+    for column, y in zip(_columns(send, shapes), ys):
+        to_ranks(y, u, index, out=column)
+    recv = all_to_all(send, group)  # [U (head group), sum n_i]
+    del send
+    return [column.permute(1, 2, 0, 3, 4).reshape(b, t, u * hh, d)  # [b, t, h_i, d_i]
+            for column, (_, b, t, hh, d) in zip(_columns(recv, shapes), shapes)]
+
+
+class _QKVToHeads(torch.autograd.Function):
+    """:func:`seq_to_heads_packed` of q, k, v (K/V heads replicated ``f`` times), their gradients back in one
+    :func:`heads_to_seq_packed`; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, index, f):
+        ctx.group, ctx.index, ctx.f = group, index, f
+        kv = [replicate_kv(x.contiguous(), f) for x in (k, v)]
+        return tuple(seq_to_heads_packed([q.contiguous(), *kv], group, index))
+
+    @staticmethod
+    def backward(ctx, dq_h, dk_h, dv_h):
+        dq, dk, dv = heads_to_seq_packed([g.contiguous() for g in (dq_h, dk_h, dv_h)], ctx.group, ctx.index)
+        return dq, reduce_replicas(dk, ctx.f), reduce_replicas(dv, ctx.f), None, None, None
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -197,19 +260,24 @@ def a2a_ring_attention(
     """q ``[b, t, h_q, d_qk]``, k/v ``[b, t, h_kv, d]`` (this rank's shard of ``layout``) -> out
     ``[b, t, h_q, d_v]``.  ``ring_group`` None: Ulysses (``U = cp``, one local attention).
 
-    Three autograd nodes, as DeepSpeed's ``DistributedAttention`` has them: the all-to-alls in, the
-    ring over the head-sharded tensors (:class:`.ring.RingAttention`, or :class:`HeadsAttention` for
-    Ulysses; the only node that saves anything), the all-to-all out.  In backward the engine frees the
+    Three autograd nodes, as DeepSpeed's ``DistributedAttention`` has them: the all-to-alls in (one for
+    q, k and v together up to :data:`PACK_MAX_TOKENS` local tokens), the ring over the head-sharded
+    tensors (:class:`.ring.RingAttention`, or :class:`HeadsAttention` for Ulysses; the only node that
+    saves anything), the all-to-all out.  In backward the engine frees the
     saved head-sharded tensors as soon as the ring's gradients exist, before those travel back (Ulysses'
     gradients are its saved q, k, v, written over).
     """
     u = dist.get_world_size(a2a_group)
-    schedule, halves = ring_schedule(layout.coarsen(u), args.mask), in_halves(layout, q)
+    short = q.shape[1] <= PACK_MAX_TOKENS
+    schedule, halves = ring_schedule(layout.coarsen(u), args.mask), in_halves(layout, q) and not short
     index = None if halves else pooled_index(layout, u, q.device)  # the in-place halves need no index
     f = kv_replication(q.shape[2], k.shape[2], u)
-    q_h = _SeqToHeads.apply(q, a2a_group, index, halves, 1)  # [b, U*t, h_q/U, d_qk]
-    k_h = _SeqToHeads.apply(k, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_qk]
-    v_h = _SeqToHeads.apply(v, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_v]
+    if short:  # [b, U*t, h_q/U, d_qk], [b, U*t, h_kv*f/U, d_qk], [b, U*t, h_kv*f/U, d_v] in one all-to-all
+        q_h, k_h, v_h = _QKVToHeads.apply(q, k, v, a2a_group, index, f)
+    else:
+        q_h = _SeqToHeads.apply(q, a2a_group, index, halves, 1)  # [b, U*t, h_q/U, d_qk]
+        k_h = _SeqToHeads.apply(k, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_qk]
+        v_h = _SeqToHeads.apply(v, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_v]
     if ring_group is None:
         out_h = HeadsAttention.apply(q_h, k_h, v_h, None, schedule, args)  # [b, U*t, h_q/U, d_v]
     else:

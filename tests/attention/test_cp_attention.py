@@ -14,6 +14,7 @@ inputs) atol 2e-2 on the output and 5e-2 on the gradients, rtol 2e-2 (measured <
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 
 import pytest
@@ -132,21 +133,29 @@ def test_matches_float64_reference(world_size, seed, case):
     run_ranks(world_size, _check_case, case, seed)
 
 
-def _ring_without_split(cases):
-    from megatron_longctx.attention import ring
-
-    limit = ring.OVERLAP_MAX_TOKENS
-    ring.OVERLAP_MAX_TOKENS = 0  # every shard "long": the local block whole, first; dK, dV as two messages
+def _run_with_zero(module: str, limit: str, cases):
+    """:func:`_run_cases` with ``megatron_longctx.attention.<module>.<limit>`` set to 0 (restored after)."""
+    mod = importlib.import_module(f"megatron_longctx.attention.{module}")
+    value = getattr(mod, limit)
+    setattr(mod, limit, 0)
     try:
         return _run_cases(cases)
     finally:
-        ring.OVERLAP_MAX_TOKENS = limit
+        setattr(mod, limit, value)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_backward_without_the_overlap_split(world_size):
+    # every shard "long": the local block whole, first; dK, dV as two messages
     cases = [c for c in _cases(world_size) if c.algorithm == "ring"]
-    assert run_ranks(world_size, _ring_without_split, cases)[0] == len(cases) > 0
+    assert run_ranks(world_size, _run_with_zero, "ring", "OVERLAP_MAX_TOKENS", cases)[0] == len(cases) > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ulysses_and_hybrid_with_one_all_to_all_per_tensor(world_size):
+    # every shard "long": q, k, v and their gradients in their own all-to-alls
+    cases = [c for c in _cases(world_size) if c.algorithm in ("ulysses", "hybrid")]
+    assert run_ranks(world_size, _run_with_zero, "a2a_ring", "PACK_MAX_TOKENS", cases)[0] == len(cases) > 0
 
 
 def _uneven_heads():

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from megatron_longctx.attention import cp_attention, schedule_flops, shard_sequence
 from megatron_longctx.attention.comm import STATS
-from megatron_longctx.attention.layout import dense_layout, from_ranks, pooled_index, to_ranks
+from megatron_longctx.attention import layout as layout_module
+from megatron_longctx.attention.layout import Packing, SeqLayout, dense_layout, from_ranks, pooled_index, to_ranks
 from megatron_longctx.attention.schedule import allgather_calls, ring_schedule
 from megatron_longctx.attention.segments import Segment, local_offsets
 from megatron_longctx.kernels.base import BlockMask
@@ -96,7 +97,9 @@ def test_schedule_flops_balance():
         assert sum(schedule_flops("ulysses", cp, s, heads=2 * cp, d_qk=4)) == sum(zigzag) * cp
 
 
-def test_natural_order_roundtrip():
+@pytest.mark.parametrize("max_runs", [layout_module.MAX_COPY_RUNS, 0], ids=["run-copies", "one-gather"])
+def test_natural_order_roundtrip(monkeypatch, max_runs):
+    monkeypatch.setattr(layout_module, "MAX_COPY_RUNS", max_runs)
     for cp, b in itertools.product([1, 2, 3, 4], [1, 2]):
         x = torch.randn(b, 2 * cp * 3, 5)  # [b, s, rest]
         shards = torch.stack([shard_sequence(x, r, cp, seq_dim=1) for r in range(cp)])  # [cp, b, s/cp, rest]
@@ -186,3 +189,17 @@ def test_dense_zigzag_ring_runs_one_kernel_call_per_step(world_size):
     # backward: the local block in two parts, before and after the remote steps (split_for_overlap)
     want = {"forward": steps, "backward": steps + 1}
     assert run_ranks(world_size, _kernel_calls_per_ring_step) == [want] * world_size
+
+
+@pytest.mark.parametrize("cp,u", [(2, 2), (4, 2), (4, 4)])
+def test_run_copies_match_the_gather_for_packed_documents(cp, u):
+    """Packed documents of unequal lengths: the run-by-run copies give the gather's tensors, both ways."""
+    lengths = [2 * cp * n for n in (3, 1, 5, 2)]  # padded document lengths
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    layout = SeqLayout(Packing.from_cu_seqlens(cu, cu), cp)
+    index = pooled_index(layout, u)
+    assert 1 < len(index.runs) <= layout_module.MAX_COPY_RUNS
+    x = torch.randn(u, 2, layout.local_len, 3)  # [U, b, t, rest]
+    gathered = x.transpose(0, 1)[:, index.member, index.token]  # [b, U*t, rest]
+    assert torch.equal(from_ranks(x, index), gathered)
+    assert torch.equal(to_ranks(gathered, u, index), x)
