@@ -16,10 +16,10 @@ reordered copy are alive at a time, not three of each; the head-sharded tensors 
 are freed before the gradients travel back (:func:`a2a_ring_attention`).  Short shards (up to
 :data:`PACK_MAX_TOKENS` local tokens) are latency-bound instead: q, k and v travel in one all-to-all
 (:func:`seq_to_heads_packed`) and so do their gradients, and every all-to-all is a single collective:
-four per forward and backward, where the per-tensor path issues eight, or sixteen with the halves.  Ulysses' local attention
-(:class:`HeadsAttention`) runs its backward over pieces of its heads and writes each piece's
-gradients over the head-sharded q, k, v it no longer reads, which the all-to-alls made for it
-alone: the backward holds one piece's gradients beside the saved tensors, not all of them.
+four per forward and backward, where the per-tensor path issues eight, or sixteen with the halves.
+Ulysses' local attention (:class:`HeadsAttention`) runs its backward over pieces of its heads and
+writes each piece's gradients over the head-sharded q, k, v it no longer reads, which the all-to-alls
+made for it alone: the backward holds one piece's gradients beside the saved tensors, not all of them.
 
 GQA/MQA with fewer K/V heads than ranks: K/V heads are replicated (``repeat_interleave`` by the
 smallest factor ``f`` dividing ``h_q/h_kv`` with ``h_kv*f`` divisible by ``U``,
@@ -263,9 +263,9 @@ def a2a_ring_attention(
     Three autograd nodes, as DeepSpeed's ``DistributedAttention`` has them: the all-to-alls in (one for
     q, k and v together up to :data:`PACK_MAX_TOKENS` local tokens), the ring over the head-sharded
     tensors (:class:`.ring.RingAttention`, or :class:`HeadsAttention` for Ulysses; the only node that
-    saves anything), the all-to-all out.  In backward the engine frees the
-    saved head-sharded tensors as soon as the ring's gradients exist, before those travel back (Ulysses'
-    gradients are its saved q, k, v, written over).
+    saves anything), the all-to-all out.  In backward the engine frees the saved head-sharded tensors
+    as soon as the ring's gradients exist, before those travel back (Ulysses' gradients are its saved
+    q, k, v, written over).
     """
     u = dist.get_world_size(a2a_group)
     short = q.shape[1] <= PACK_MAX_TOKENS

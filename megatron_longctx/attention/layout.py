@@ -320,14 +320,13 @@ MAX_COPY_RUNS = 64
 @functools.lru_cache(maxsize=16)
 def _pooled_index(layout: SeqLayout, group_size: int, device: str) -> PooledIndex:
     order = _group_order(layout, group_size, device)
-    host = order.cpu()
-    member = host // layout.local_len
-    ends_run = (host.diff() != 1) | (member.diff() != 0)  # the next token is not the next one of the same member
+    member, token = order // layout.local_len, order % layout.local_len  # [U*t/cp] each
+    m, t = member.cpu(), token.cpu()
+    ends_run = (m.diff() != 0) | (t.diff() != 1)  # the next token is not the next one of the same member
     breaks = (torch.nonzero(ends_run).flatten() + 1).tolist()
-    starts, ends = [0, *breaks], [*breaks, host.numel()]
-    runs = tuple((int(host[a]) // layout.local_len, int(host[a]) % layout.local_len, a, b - a)
-                 for a, b in zip(starts, ends) if b > a)
-    return PooledIndex(order // layout.local_len, order % layout.local_len, runs)
+    starts, ends = [0, *breaks], [*breaks, m.numel()]
+    runs = tuple((int(m[a]), int(t[a]), a, b - a) for a, b in zip(starts, ends))
+    return PooledIndex(member, token, runs)
 
 
 def pooled_index(layout: SeqLayout, group_size: int, device: torch.device | str = "cpu") -> PooledIndex:
