@@ -16,16 +16,19 @@ What the op does, read off torch 2.13 and 2.14:
   ``s_q`` or ``s_k`` kills the process (SIGFPE), and backward given ``lse = -inf`` returns NaN.
   The driver never hands the op such rows: every row of a piece sees a key, so its final lse is finite.
 
-Masks per piece (a :class:`~.base.LiveBlock`): no band → no mask; band ``j - i <= 0`` → ``is_causal``;
-band ``j - i <= t`` with ``t > 0`` → keys ``[0, t)`` are seen by every row (no mask) and the rest is
-top-left causal, two calls merged with :func:`.merge.merge` (backward: ``dq`` summed, ``dk``/``dv``
-concatenated); any other band (sliding windows) → an additive ``[s_q, s_k]`` mask from
-:meth:`.base.BlockMask.dense` in q's dtype: ``O(s_q * s_k)`` memory (plus a boolean temporary of
-the same count) per call, for the trimmed piece only.
+Masks per piece (a :class:`~.base.LiveBlock`): the op knows no mask and top-left causal only, so a
+piece's keys are split where the band's edges stop cutting (:func:`_parts`): keys cut by the right
+edge only are top-left causal, keys cut by neither need no mask, keys cut by the left edge only are
+top-left causal on reversed rows and keys.  Each range is one call; the calls are merged with
+:func:`.merge.merge` (backward: ``dq`` summed, ``dk``/``dv`` concatenated).  A sliding window's
+diagonal block reaches this kernel as row tiles narrower than the band (:func:`.driver.band_tiles`),
+so no call is masked and the work is linear in the sequence.  Only bands narrower than
+:data:`.driver.MASKED_TILE_ROWS` keys use an additive mask, per tile of that many rows.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 
 import torch
@@ -67,6 +70,39 @@ def native_gqa() -> bool:
     return got.shape == want.shape and torch.allclose(got, want)
 
 
+class _Part(enum.Enum):
+    """How one range of a piece's keys goes to the op."""
+
+    FULL = "full"  # every row sees every key: no mask
+    CAUSAL = "causal"  # row i sees key j iff j <= i: the op's top-left causal
+    FLIPPED = "flipped"  # row i sees key j iff j >= i + (s_k - s_q): causal on reversed rows and keys
+    MASKED = "masked"  # anything else: an additive mask
+
+
+def _parts(piece: LiveBlock) -> list[tuple[int, int, _Part]]:
+    """The piece's keys as ranges ``(lo, hi, part)``; together they score each visible pair once.
+
+    In piece coordinates row ``i`` sees key ``j`` iff ``band_lo <= j - i <= band_hi``.  Keys below
+    ``t0 = s_q + band_lo`` are cut only by the left edge (reversed, that is top-left causal), keys
+    from ``band_hi`` on only by the right edge (top-left causal from there), keys in between by
+    neither.  That holds when ``t0 <= band_hi``, i.e. the piece has fewer rows than the band is wide,
+    which :func:`.driver.band_tiles` arranges; a narrower band is masked.
+    """
+    lo, hi, s_q, s_k = piece.band_lo, piece.band_hi, piece.s_q, piece.s_k
+    if lo is None and hi is None:
+        return [(0, s_k, _Part.FULL)]
+    t0 = 0 if lo is None else s_q + lo  # 2 <= t0 <= s_k: the first and last rows see a key
+    t1 = s_k if hi is None else hi  # 0 <= t1 <= s_k - 2 when the right edge cuts
+    if t0 > t1:
+        return [(0, s_k, _Part.MASKED)]
+    parts = [(0, t0, _Part.FLIPPED), (t0, t1, _Part.FULL), (t1, s_k, _Part.CAUSAL)]
+    return [p for p in parts if p[1] > p[0]]
+
+
+def _flip(*xs: torch.Tensor) -> list[torch.Tensor]:
+    return [x.flip(1) for x in xs]  # [b, s, h, d]: reverse the sequence
+
+
 class _CpuPieces:
     """:class:`.driver.PieceKernel` over the CPU op (see the module docstring for the masks)."""
 
@@ -91,38 +127,42 @@ class _CpuPieces:
         visible = piece.dense(like.device)  # [s_q, s_k] bool
         return torch.zeros(visible.shape, dtype=like.dtype, device=like.device).masked_fill_(~visible, float("-inf"))
 
+    def _part_forward(self, q, k, v, scale: float, part: _Part, piece: LiveBlock):
+        if part is _Part.FLIPPED:
+            out, lse = _op_forward(*_flip(q, k, v), scale, True)
+            return out.flip(1), lse.flip(-1)
+        mask = self._additive_mask(piece, q) if part is _Part.MASKED else None
+        return _op_forward(q, k, v, scale, part is _Part.CAUSAL, mask)
+
+    def _part_backward(self, dout, q, k, v, out, lse, scale: float, part: _Part, piece: LiveBlock):
+        if part is _Part.FLIPPED:
+            grads = _op_backward(*_flip(dout, q, k, v, out), lse.flip(-1).contiguous(), scale, True)
+            return [g.flip(1) for g in grads]
+        mask = self._additive_mask(piece, q) if part is _Part.MASKED else None
+        return _op_backward(dout, q, k, v, out, lse, scale, part is _Part.CAUSAL, mask)
+
     def forward(self, q, k, v, scale: float, piece: LiveBlock):
         k, v = self._expand(q, k, v)
-        if piece.is_full:
-            return _op_forward(q, k, v, scale, False)
-        if piece.band_lo is None and piece.band_hi == 0:
-            return _op_forward(q, k, v, scale, True)
-        if piece.band_lo is None:
-            t = piece.band_hi
-            out_a, lse_a = _op_forward(q, k[:, :t], v[:, :t], scale, False)
-            out_b, lse_b = _op_forward(q, k[:, t:], v[:, t:], scale, True)
-            out, lse = merge(out_a, lse_a, out_b, lse_b)
-            return out.to(q.dtype), lse
-        return _op_forward(q, k, v, scale, False, self._additive_mask(piece, q))
+        out = lse = None
+        for lo, hi, part in _parts(piece):
+            o, l = self._part_forward(q, k[:, lo:hi], v[:, lo:hi], scale, part, piece)
+            out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, scale: float, piece: LiveBlock):
         h_kv = k.shape[2]
         k, v = self._expand(q, k, v)
-        if piece.is_full:
-            dq, dk, dv = _op_backward(dout, q, k, v, out, lse, scale, False)
-        elif piece.band_lo is None and piece.band_hi == 0:
-            dq, dk, dv = _op_backward(dout, q, k, v, out, lse, scale, True)
-        elif piece.band_lo is None:
-            t = piece.band_hi
-            dq_a, dk_a, dv_a = _op_backward(dout, q, k[:, :t], v[:, :t], out, lse, scale, False)
-            dq_b, dk_b, dv_b = _op_backward(dout, q, k[:, t:], v[:, t:], out, lse, scale, True)
-            acc = torch.promote_types(q.dtype, torch.float32)
-            dq = (dq_a.to(acc) + dq_b.to(acc)).to(q.dtype)
-            dk, dv = torch.cat([dk_a, dk_b], dim=1), torch.cat([dv_a, dv_b], dim=1)  # [b, s_k, h, d]
-        else:
-            dq, dk, dv = _op_backward(dout, q, k, v, out, lse, scale, False, self._additive_mask(piece, q))
+        parts = _parts(piece)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq, dks, dvs = None, [], []
+        for lo, hi, part in parts:
+            gq, gk, gv = self._part_backward(dout, q, k[:, lo:hi], v[:, lo:hi], out, lse, scale, part, piece)
+            dq = gq if len(parts) == 1 else gq.to(acc) if dq is None else dq + gq.to(acc)
+            dks.append(gk)
+            dvs.append(gv)
+        dk, dv = (xs[0] if len(xs) == 1 else torch.cat(xs, dim=1) for xs in (dks, dvs))  # [b, s_k, h, d]
         dk, dv = self._fold(dk, dv, h_kv)
-        return dq, dk, dv
+        return dq.to(q.dtype), dk, dv
 
 
 _KERNEL = _CpuPieces()

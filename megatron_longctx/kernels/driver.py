@@ -63,10 +63,46 @@ def _pad_to(x: torch.Tensor, d: int) -> torch.Tensor:
     return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
 
 
+# Rows per tile of a block cut by both edges of a band (a sliding window's diagonal block).  Each tile
+# is narrower than the band, so a kernel without window arguments serves it with three unmasked or
+# causal calls (see cpu_flash); 1024 rows keep the calls few while a tile's keys stay within rows + w.
+BAND_TILE_ROWS = 1024
+# Bands narrower than this are served as masked tiles of this many rows: per-row calls would cost
+# more in launches than the (rows x (rows + w)) masks cost in work.
+MASKED_TILE_ROWS = 128
+
+
+def band_tile_rows(live: LiveBlock) -> int | None:
+    """Rows per tile for a live block cut by both band edges, or ``None`` when it needs no tiling.
+
+    Tiles of fewer rows than the band is wide see every key between the two edges, which is what
+    lets a kernel without window arguments split a tile into a left edge, an unmasked middle and
+    a causal right edge.  A narrow band is tiled by :data:`MASKED_TILE_ROWS` (each tile masked).
+    """
+    if live.band_lo is None or live.band_hi is None:
+        return None
+    width = live.band_hi - live.band_lo + 1  # keys each row sees inside the band
+    rows = min(BAND_TILE_ROWS, width - 1) if width - 1 >= MASKED_TILE_ROWS else MASKED_TILE_ROWS
+    return rows if live.s_q > rows else None
+
+
+def band_tiles(live: LiveBlock) -> list[LiveBlock]:
+    """``live`` as row tiles of :func:`band_tile_rows` rows, each trimmed to the keys its rows see.
+
+    A band of ``w`` keys per row over ``s`` rows becomes tiles of at most ``rows x (rows + w)``
+    pairs: time and memory ``O(s * (rows + w))`` instead of the ``O(s^2)`` of the whole block.
+    """
+    rows = band_tile_rows(live)
+    if rows is None:
+        return [live]
+    tiles = (live.rows(lo, min(lo + rows, live.q_hi)) for lo in range(live.q_lo, live.q_hi, rows))
+    return [t for t in tiles if t is not None]
+
+
 def pieces_for(args: BlockArgs, s_q: int, s_k: int) -> list[LiveBlock]:
-    """The single live block of the block, or nothing when no pair is visible."""
+    """The live block of the block as pieces (row tiles where a band cuts it on both sides)."""
     live = args.mask.live_block(args.q_start, s_q, args.k_start, s_k)
-    return [] if live is None else [live]
+    return [] if live is None else band_tiles(live)
 
 
 def flash2_pieces(args: BlockArgs, s_q: int, s_k: int) -> list[LiveBlock]:

@@ -2,14 +2,16 @@
 
 Computes in float64 for float64 inputs and in float32 otherwise; returns ``out`` in the input dtype and
 ``lse`` in float32 (float64 for float64 inputs, so float64 tests stay exact).  Memory is
-``O(s_q * s_k)``: meant for tests and small blocks.
+``O(s_q * s_k)`` per block, except under a sliding window: a windowed block is scored only on its live
+block, as the row tiles of :func:`.driver.pieces_for` (``O(s * (tile + w))``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import BlockArgs, check_shapes
+from . import driver
+from .base import BlockArgs, LiveBlock, check_shapes
 
 name = "reference"
 
@@ -38,6 +40,25 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - lse.unsqueeze(-1))
 
 
+class _Pieces:
+    """:class:`.driver.PieceKernel` that runs this module's dense math on one piece."""
+
+    head_multiple = 1
+
+    @staticmethod
+    def _args(scale: float, piece: LiveBlock) -> BlockArgs:
+        return BlockArgs(scale, piece.mask, piece.q_start + piece.q_lo, piece.k_start + piece.k_lo)
+
+    def forward(self, q, k, v, scale: float, piece: LiveBlock):
+        return _forward(q, k, v, self._args(scale, piece))
+
+    def backward(self, dout, q, k, v, out, lse, scale: float, piece: LiveBlock):
+        return _backward(dout, q, k, v, out, lse, self._args(scale, piece))
+
+
+_PIECES = _Pieces()
+
+
 def available(device: torch.device) -> str | None:
     """Runs on every device."""
     return None
@@ -50,6 +71,12 @@ def check(q, k, v, args: BlockArgs) -> str | None:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor]:
     check_shapes(q, k, v)
+    if args.mask.left >= 0:
+        return driver.forward(_PIECES, driver.pieces_for(args, q.shape[1], k.shape[1]), q, k, v, args)
+    return _forward(q, k, v, args)
+
+
+def _forward(q, k, v, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor]:
     s, _ = _scores(q, k, args)  # [b, h, s_q, s_k]
     lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]; -inf for rows that see nothing
     p = _probs(s, lse)
@@ -62,6 +89,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) 
 def backward(dout, q, k, v, out, lse, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients for one block given the *final* ``out``/``lse`` of the whole row (FlashAttention-2 bwd)."""
     check_shapes(q, k, v)
+    if args.mask.left >= 0:
+        pieces = driver.pieces_for(args, q.shape[1], k.shape[1])
+        return driver.backward(_PIECES, pieces, dout, q, k, v, out, lse, args)
+    return _backward(dout, q, k, v, out, lse, args)
+
+
+def _backward(dout, q, k, v, out, lse, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hq, hkv = q.shape[2], k.shape[2]
     s, _ = _scores(q, k, args)  # [b, h, s_q, s_k]
     dt = s.dtype

@@ -3,7 +3,9 @@
 Tolerances: float64 is tight (1e-10).  Lower precisions compare against the float64 reference on the
 same (rounded) inputs: float32 at 1e-5 (observed <= 1.3e-6); bfloat16 outputs/gradients are rounded
 to bfloat16 (eps 2**-8) so atol 1e-2 + rtol 1.6e-2 (about 4 ulp, observed <= 1.3e-2 on values up
-to 6), lse stays float32 (1e-5); float16 (eps 2**-11) atol = rtol = 2e-3.
+to 6); float16 (eps 2**-11) atol = rtol = 2e-3.  The lse of half-precision inputs is float32, but
+the op's half-precision path depends on the CPU's vector unit: atol 1.5e-4 against a measured
+<= 5.8e-5 on an AVX2 CPU (AMD EPYC).
 """
 
 import pytest
@@ -16,8 +18,8 @@ from .cases import CASES, make_inputs
 TOL = {
     torch.float64: (dict(rtol=1e-10, atol=1e-10), dict(rtol=1e-10, atol=1e-10)),
     torch.float32: (dict(rtol=1e-5, atol=1e-5), dict(rtol=1e-5, atol=1e-5)),
-    torch.bfloat16: (dict(rtol=1.6e-2, atol=1e-2), dict(rtol=1e-5, atol=1e-5)),
-    torch.float16: (dict(rtol=2e-3, atol=2e-3), dict(rtol=1e-5, atol=1e-5)),
+    torch.bfloat16: (dict(rtol=1.6e-2, atol=1e-2), dict(rtol=1e-5, atol=1.5e-4)),
+    torch.float16: (dict(rtol=2e-3, atol=2e-3), dict(rtol=1e-5, atol=1.5e-4)),
 }
 
 
