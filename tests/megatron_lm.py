@@ -17,8 +17,11 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -91,12 +94,14 @@ def copy_scripts(dst: Path, ref: str = REF_019) -> Path:
 
 @dataclasses.dataclass
 class ScriptRun:
-    """One run of a script: exit status, output, the launcher's full-precision losses, wall time."""
+    """One run of a script: exit status, output, the launcher's full-precision losses, wall time, and the
+    largest peak resident set size of the job's processes (torchrun and every rank)."""
 
     returncode: int
     output: str
     losses: list[dict]
     wall_s: float
+    peak_rss_bytes: int = 0
 
     def lm_losses(self) -> list[float]:
         return [row["lm loss"] for row in self.losses]
@@ -119,10 +124,38 @@ def run_script(script: Path, args: Sequence[str], nproc: int = 2, launcher: Sequ
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command = ([sys.executable] if nproc == 0 else torchrun) + list(launcher) + [str(script), *args]
     start = time.monotonic()
-    proc = subprocess.run(command, cwd=script.parent, env=run_env, capture_output=True, text=True, timeout=timeout)
+    returncode, output, peak = _run_reaped(command, script.parent, run_env, timeout)
     wall = time.monotonic() - start
     losses = [json.loads(line) for line in loss_log.read_text().splitlines()] if loss_log.exists() else []
-    return ScriptRun(proc.returncode, proc.stdout + proc.stderr, losses, wall)
+    return ScriptRun(returncode, output, losses, wall, peak)
+
+
+def _run_reaped(command: list[str], cwd: Path, env: dict, timeout: int) -> tuple[int, str, int]:
+    """Run ``command`` to its end: (exit code, stdout + stderr, peak RSS in bytes of it and its descendants).
+
+    ``wait4`` reports the child's ``ru_maxrss`` folded with those of the descendants it reaped (torchrun
+    reaps its ranks).  Past ``timeout`` the whole process group is killed and ``TimeoutExpired`` raised.
+    """
+    expired = threading.Event()
+
+    def kill() -> None:
+        expired.set()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        timer = threading.Timer(timeout, kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        output = out.read().decode(errors="replace")
+    if expired.is_set():
+        raise subprocess.TimeoutExpired(command, timeout, output)
+    return proc.returncode, output, usage.ru_maxrss * 1024  # Linux reports KiB
 
 
 def assert_same_losses(actual: Sequence[float], expected: Sequence[float], rtol: float = 1e-5) -> None:

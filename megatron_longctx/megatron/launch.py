@@ -254,10 +254,10 @@ def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
     * without CUDA, :func:`megatron_longctx.cpu_compat.cpu_default_args` (gloo, CUDA-only fusions off, ...);
     * ``--eval-interval 1000`` when this Megatron has no default for it (0.19: else ``train_iters // None``);
+    * ``--no-create-attention-mask-in-dataloader``: a dense ``[s, s]`` mask per sample that our attention's
+      causal layers do not read, at any CP size (64 GiB of float32 at 128K tokens, 4 TiB at 1M);
     * with ``--context-parallel-size`` > 1 (our attention serves CP): ``--attention-dropout 0`` (Megatron's
-      default 0.1 is not supported under CP; an explicit value is checked after parsing) and
-      ``--no-create-attention-mask-in-dataloader`` (a dense ``[s, s]`` mask per sample that our
-      attention does not read: 4 TiB of float32 at 1M tokens).
+      default 0.1 is not supported under CP; an explicit value is checked after parsing).
     """
     from megatron_longctx import cpu_compat
     from megatron_longctx.megatron.args import megatron_parser, with_defaults
@@ -269,8 +269,9 @@ def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     argv, added = cpu_compat.cpu_default_args(list(argv))
     defaults = megatron_default_args(parser)
     namespace, _ = parser.parse_known_args(argv)
+    defaults.append(("--no-create-attention-mask-in-dataloader",))
     if getattr(namespace, "context_parallel_size", 1) > 1:
-        defaults += [("--attention-dropout", "0"), ("--no-create-attention-mask-in-dataloader",)]
+        defaults.append(("--attention-dropout", "0"))
     argv, more = with_defaults(argv, defaults, parser)
     return argv, added + more
 

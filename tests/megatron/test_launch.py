@@ -239,12 +239,12 @@ def test_default_args_explicit_flags_win():
                                        "2", "--attention-dropout", "0.1"])
     assert argv[:6] == ["--num-layers", "2", "--distributed-backend=nccl", "--context-parallel-size", "2",
                         "--attention-dropout"]
-    assert "--no-create-attention-mask-in-dataloader" in added  # CP > 1: the dense mask is off
+    assert "--no-create-attention-mask-in-dataloader" in added  # the dense mask is off
     assert not any(a.startswith(("--distributed-backend", "--attention-dropout")) for a in added)
     if cpu_compat.needed():
         assert "--no-gradient-accumulation-fusion" in added and "--no-persist-layer-norm" in added
-    _, added = launch.default_args(["--num-layers", "2"])  # CP = 1: no CP defaults
-    assert "--no-create-attention-mask-in-dataloader" not in added and "--attention-dropout 0" not in added
+    _, added = launch.default_args(["--num-layers", "2"])  # CP = 1: no CP defaults, and still no dense mask
+    assert "--no-create-attention-mask-in-dataloader" in added and "--attention-dropout 0" not in added
 
 
 def test_after_parsing_checks_name_the_flag():

@@ -58,7 +58,7 @@ def test_cp2_equals_cp1(script, cp1_losses, comm, variant):
                               "--cp-comm-type", comm]).check()
     print(f"CP=2 {comm} {variant}: {run.wall_s:.1f} s")
     assert "defaults set (explicit flags win)" in run.output
-    assert "--no-create-attention-mask-in-dataloader" in run.output  # CP>1: the dense mask is off
+    assert "--no-create-attention-mask-in-dataloader" in run.output  # the dense mask is off
     assert_same_losses(run.lm_losses(), cp1_losses(variant))
 
 
