@@ -7,6 +7,12 @@ Prints a table and writes JSON (medians over ``--repeats`` timed runs after one 
 Each shape is one block call as the context-parallel algorithms make it: a causal diagonal block
 (ring), a causal all-gather tail (short queries against every earlier key), a sliding window and an
 MLA block (``d_qk != d_v``), with GQA where Llama-style models have it.
+
+``--window-table`` times instead one diagonal block per length under full causal attention and
+under a sliding window, ``cpu_flash`` only (4 query / 2 KV heads of 16): a window's time per token
+stays flat with the length, full causal grows with it::
+
+    python -m megatron_longctx.bench.kernels_bench --window-table --threads 1 --json window_table.json
 """
 
 from __future__ import annotations
@@ -103,15 +109,59 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+WINDOW_TABLE_LENGTHS = (4096, 16384, 65536, 262144)
+FULL_CAUSAL_MAX = 16384  # full causal past this takes minutes per call on one core
+
+
+def window_table(lengths, window: int, repeats: int) -> list[dict]:
+    """Forward and backward seconds of one causal diagonal block per length, full and windowed."""
+    rows = []
+    for s in lengths:
+        for name, mask in (("full causal", BlockMask(causal=True)), (f"window ({window}, 0)",
+                                                                     BlockMask(causal=True, window=(window, 0)))):
+            if mask.left < 0 and s > FULL_CAUSAL_MAX:
+                continue
+            shape = Shape(name, s, s, 4, 2, 16, 16, mask)
+            q, k, v, dout, args = _inputs(shape, torch.float32)
+            fwd, bwd = _time_fwd_bwd(cpu_flash, q, k, v, dout, args, repeats)
+            rows.append({"tokens": s, "mask": name, "fwd_s": fwd, "bwd_s": bwd, "us_per_token": (fwd + bwd) / s * 1e6})
+    return rows
+
+
+def print_window_table(rows: list[dict]) -> None:
+    print(f"{'tokens':>8} {'mask':<18} {'fwd ms':>10} {'bwd ms':>10} {'µs/token':>10}")
+    for r in rows:
+        print(f"{r['tokens']:>8} {r['mask']:<18} {r['fwd_s'] * 1e3:>10.1f} {r['bwd_s'] * 1e3:>10.1f} "
+              f"{r['us_per_token']:>10.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="torch dtype names")
     parser.add_argument("--quick", action="store_true", help="quarter-length shapes")
     parser.add_argument("--json", default="kernels_bench.json", help="where to write the results")
+    parser.add_argument("--window-table", action="store_true",
+                        help="full causal against a sliding window, one diagonal block per length (cpu_flash)")
+    parser.add_argument("--window", type=int, default=1024, help="--window-table: the window's left side")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(WINDOW_TABLE_LENGTHS),
+                        help="--window-table: block lengths (full causal up to 16384)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     opts = parser.parse_args(argv)
     if opts.repeats < 1:
         parser.error(f"--repeats={opts.repeats}: must be >= 1")
+    if opts.threads > 0:
+        torch.set_num_threads(opts.threads)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor()}
+    if opts.window_table:
+        if opts.window < 0 or any(n < 1 for n in opts.lengths):
+            parser.error("--window must be >= 0 and --lengths positive")
+        rows = window_table(opts.lengths, opts.window, opts.repeats)
+        print_window_table(rows)
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "repeats": opts.repeats, "window": opts.window, "results": rows}, f, indent=2)
+        print(f"wrote {opts.json}")
+        return
     dtypes = []
     for dtype_name in opts.dtypes:
         dtype = getattr(torch, dtype_name, None)
@@ -120,7 +170,6 @@ def main(argv: list[str] | None = None) -> None:
         dtypes.append(dtype)
     rows = run(QUICK_SHAPES if opts.quick else SHAPES, dtypes, opts.repeats)
     print_table(rows)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor()}
     with open(opts.json, "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "repeats": opts.repeats, "results": rows}, f, indent=2)
     print(f"wrote {opts.json}")
