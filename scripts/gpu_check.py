@@ -47,7 +47,7 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # this repository, and the section modules beside this file
 
-from gpu_check_attention import section_kernels, section_ring  # noqa: E402
+from gpu_check_attention import section_kernels, section_ring, section_windows  # noqa: E402
 from gpu_check_common import CPU_SIZES, GPU_SIZES, Budget, Sizes, Skip, _time  # noqa: E402
 from gpu_check_gpt import section_gpt_step  # noqa: E402
 from gpu_check_memory import section_max_seq, section_offload, section_tiled_replay  # noqa: E402
@@ -104,6 +104,7 @@ SECTIONS: dict[str, tuple[Callable, float]] = {
     "environment": (section_environment, 20),
     "kernels": (section_kernels, 60),
     "ring": (section_ring, 60),
+    "windows": (section_windows, 30),
     "offload": (section_offload, 50),
     "offload_one_connection": (section_offload_one_connection, 45),
     "gpt_step": (section_gpt_step, 30),

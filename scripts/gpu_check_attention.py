@@ -312,3 +312,69 @@ def section_ring(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
     return {"backend": kern.name, "tokens": s, "heads": list(sizes.heads), "dtype": str(dtype), "rows": rows,
             "status": "failed" if bad else "ok",
             "note": "one device runs the P ranks' blocks in turn; efficiency = one call / the whole schedule"}
+
+
+def _window_block(kern, s: int, window: int, device: torch.device, dtype: torch.dtype, heads: tuple) -> dict:
+    from megatron_longctx.kernels import driver
+    from megatron_longctx.kernels.base import BlockArgs, BlockMask
+
+    hq, hkv, d = heads
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, s, h, d, device=device, dtype=dtype, generator=gen) for h in (hq, hkv, hkv, hq))
+    args = BlockArgs(softmax_scale=d ** -0.5, mask=BlockMask(causal=True, window=(window, 0)))
+    reason = kern.check(q, k, v, args)
+    if reason is not None:
+        return {"seq": s, "status": "unsupported", "reason": reason}
+    out, lse = kern.forward(q, k, v, args)
+    fwd = _time(lambda: kern.forward(q, k, v, args), device)
+    bwd = _time(lambda: kern.backward(dout, q, k, v, out, lse, args), device)
+    return {"seq": s, "window": window, "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3,
+            "us_per_token": (fwd + bwd) / s * 1e6, "tiles": len(driver.pieces_for(args, s, s)),
+            "inputs": (q, k, v, dout, args, out, lse)}
+
+
+def section_windows(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
+    """Sliding windows in linear time: a windowed diagonal block at two lengths (4x apart) on each GPU
+    backend (native window arguments, one call) and on the float32 reference (row tiles of the band),
+    numerics of the longer one against the reference, and time per token at both lengths."""
+    from megatron_longctx.kernels.base import KernelUnsupported
+    from megatron_longctx.kernels.select import get_kernel
+
+    s_short = sizes.kernel_timing_seq
+    lengths, window = (s_short, 4 * s_short), max(16, s_short // 4)
+    ref = get_kernel("reference", device)
+    names = ["sdpa_cuda", "flash_attn"] + (["cpu_flash"] if device.type == "cpu" else [])
+    backends: dict[str, Any] = {}
+    failed = False
+    dtype = _dtypes(device)[0]
+    for name in names:
+        if budget.left() <= 0:
+            backends[name] = {"status": "skipped", "reason": "time budget"}
+            continue
+        try:
+            kern = get_kernel(name, device)
+        except KernelUnsupported as exc:
+            backends[name] = {"status": "skipped", "reason": str(exc)}
+            continue
+        rows = [_window_block(kern, s, window, device, dtype, sizes.heads) for s in lengths]
+        entry: dict[str, Any] = {"status": "ok", "dtype": str(dtype).replace("torch.", "")}
+        if any(r.get("status") == "unsupported" for r in rows):
+            backends[name] = {"status": "unsupported", "reason": rows[0].get("reason") or rows[1].get("reason")}
+            continue
+        q, k, v, dout, args, out, lse = rows[-1].pop("inputs")
+        rows[0].pop("inputs")
+        grads = kern.backward(dout, q, k, v, out, lse, args)
+        qf, kf, vf, df = (t.float() for t in (q, k, v, dout))  # the reference sees the same rounded values
+        r_out, r_lse = ref.forward(qf, kf, vf, args)
+        r_grads = ref.backward(df, qf, kf, vf, r_out, r_lse, args)
+        errs = _errors({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]},
+                       {"out": r_out, "lse": r_lse, "dq": r_grads[0], "dk": r_grads[1], "dv": r_grads[2]})
+        growth = rows[1]["us_per_token"] / rows[0]["us_per_token"]
+        entry.update(rows=rows, max_rel_err=errs, tolerance=_tol(dtype), us_per_token_growth=growth)
+        if max(errs.values()) > _tol(dtype):
+            entry["status"] = "mismatch"
+        elif growth > 1.5:  # 4x the tokens: linear stays near 1, quadratic near 4
+            entry["status"] = "superlinear"
+        failed |= entry["status"] != "ok"
+        backends[name] = entry
+    return {"status": "failed" if failed else "ok", "lengths": list(lengths), "window": window, "backends": backends}

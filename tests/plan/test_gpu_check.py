@@ -15,7 +15,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
-SECTIONS = ["environment", "kernels", "ring", "offload", "offload_one_connection", "gpt_step", "tiled_replay",
+SECTIONS = ["environment", "kernels", "ring", "windows", "offload", "offload_one_connection", "gpt_step", "tiled_replay",
             "max_seq"]
 
 
@@ -72,6 +72,11 @@ def test_dry_run_on_cpu_runs_every_section(tmp_path):
         assert r["pairs"] == r["exact_pairs"] and r["calls"] > 0
         assert max(r["max_rel_err"].values()) < 1e-4
         assert r.get("schedule_flops_agree", True)
+    # A windowed block at two lengths on the CPU backend, against the (tiled) reference.
+    windows = sections["windows"]["backends"]["cpu_flash"]
+    assert windows["status"] == "ok", windows
+    assert [r["seq"] for r in windows["rows"]] == sections["windows"]["lengths"]
+    assert windows["rows"][1]["tiles"] > 1 and max(windows["max_rel_err"].values()) < 1e-4
     for name in ("offload", "offload_one_connection"):
         if sections[name]["status"] == "skipped":
             assert "megatron-core" in sections[name]["reason"]
