@@ -166,6 +166,11 @@ def _summary(name: str, r: dict) -> str:
         where = ("peak full/tiled/+offload " + "/".join(f"{p:.2f}" for p in peaks) + " GiB"
                  if None not in peaks else "no peak (CPU)")
         return f"float32 rel err {r['numerics_rel_err']:.1e}; {where}; {len(r['problems'])} problems"
+    if name == "windows":
+        return "; ".join(
+            f"{b}: {e['status']}" + (f" (err {max(e['max_rel_err'].values()):.1e}, us/token x{e['us_per_token_growth']:.2f},"
+                                      f" keys/row x{e['keys_per_row_growth']:.2f} for 4x tokens)" if "rows" in e else "")
+            for b, e in r["backends"].items())
     if name == "max_seq":
         return (f"max trained {r['max_trained_seq']:,} tokens (stopped by {r['stopped_by']}); "
                 f"numerics rel err {r['numerics_rel_err']:.1e}")
