@@ -20,8 +20,8 @@ A series stops at the first length whose step the cost model of its measured ste
 under a window, ``+ c2·s²`` otherwise; coefficients >= 0, least squares in relative error; with fewer
 steps than terms, the last step scaled by ``s^degree``, an upper bound) predicts over ``--budget-s``, whose
 planner memory is over ``--memory-budget-gib``, or whose run failed; the rest of it is skipped with the
-reason.  A run is killed when a process's resident memory passes the memory budget, or after
-``--startup-s`` + (steps + 1) × ``--budget-s`` seconds.
+reason.  A run is killed, and its length marked as not fitting, when a process's resident memory passes
+the memory budget, or after ``--startup-s`` + (steps + 1) × ``--budget-s`` seconds.
 
 Per length: s/step (Megatron's ``elapsed time per iteration`` of the second step, or of the only one from
 ``--single-step-from`` on), µs/token, the largest rank's peak resident memory (``wait4``'s ``ru_maxrss``:
@@ -286,15 +286,15 @@ def measure(row: dict[str, Any], run: lm_scripts.ScriptRun, fixed_mib: Optional[
     row.update(wall_s=round(run.wall_s, 2), returncode=run.returncode, peak_mib=run.peak_rss_bytes / MIB,
                rank_peaks_mib_sampled=[b / MIB for b in run.rank_peaks_bytes()],
                iteration_s={str(k): v for k, v in sorted(times.items())})
-    if run.over_memory:
-        row.update(status="failed", reason=f"a process passed the memory budget ({row['memory_budget_gib']:g} GiB): "
-                                           "killed")
+    if run.over_memory:  # tried, and it does not fit
+        row.update(status="skipped", reason=f"does not fit: a process passed the {row['memory_budget_gib']:g} GiB "
+                                            f"memory budget (killed after {run.wall_s:.0f} s)")
     elif run.timed_out:
-        row.update(status="failed", reason=f"killed after {run.wall_s:.0f} s (over the time allowed: start-up + "
-                                           "steps x budget)")
+        row.update(status="skipped", reason=f"does not fit: killed after {run.wall_s:.0f} s (start-up + (steps + 1) "
+                                            "x the time budget)")
     elif run.returncode != 0 or not times:
         row.update(status="failed", reason=f"exit code {run.returncode}: {_tail(run.output)}")
-    if row.get("status") == "failed":
+    if row.get("status"):
         return row
     timed = max(times)
     step_s = times[timed]
@@ -378,7 +378,7 @@ def run_series(series: Series, lengths: Sequence[int], *, model: ModelSpec, wind
         measure(row, runner(series, args, limits), fixed_mib)
         if row["status"] != "ok":
             log(f"[scaling]   {row['status']}: {row['reason']}")
-            stopped = f"the run at {seq} tokens failed"
+            stopped = f"the run at {seq} tokens " + ("did not fit" if row["status"] == "skipped" else "failed")
             continue
         log(f"[scaling]   {row['step_s']:.2f} s/step, peak {row['peak_mib']:.0f} MiB/rank (planner "
             f"{row['planner_mib']:.0f}), wall {row['wall_s']:.0f} s")

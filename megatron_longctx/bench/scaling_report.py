@@ -1,9 +1,9 @@
 """Output of the scaling benchmark (:mod:`megatron_longctx.bench.scaling`): growth exponents, the JSON file,
 a markdown table and a log-log PNG.
 
-A row is one (series, sequence length): ``status`` ``ok`` (measured), ``skipped`` (not run: the reason
-says why, e.g. the predicted step over the time budget), ``failed`` (run, but no step was timed: the
-reason has the job's last lines) or ``planned`` (``--dry-run``).  Measured rows carry ``step_s`` (seconds of
+A row is one (series, sequence length): ``status`` ``ok`` (measured), ``skipped`` (does not fit: not run,
+or killed past a budget; the reason says which, e.g. the predicted step over the time budget), ``failed``
+(the job exited with an error: the reason has its last lines) or ``planned`` (``--dry-run``).  Measured rows carry ``step_s`` (seconds of
 the timed step), ``peak_mib`` (the largest rank's peak resident memory) and ``planner_mib`` (the planner's
 prediction for the same configuration).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from typing import Any, Optional, Sequence
 
 SCHEMA = "megatron-longctx-scaling/1"
@@ -53,8 +54,7 @@ def fits(rows: Sequence[dict[str, Any]], series_names: Sequence[str]) -> dict[st
         if len(ok) >= 2:
             entry["us_per_token_ratio"] = ok[-1]["us_per_token"] / ok[0]["us_per_token"]
             entry["mib_per_1k_tokens_ratio"] = ok[-1]["mib_per_1k_tokens"] / ok[0]["mib_per_1k_tokens"]
-        longest = [r["seq_length"] for r in ok]
-        entry["longest_measured"] = max(longest) if longest else None
+        entry["longest_measured"] = seqs[-1] if seqs else None
         out[name] = entry
     return out
 
@@ -135,7 +135,7 @@ def plot(result: dict[str, Any], path: str) -> Optional[str]:
         ax_m.plot(xs, [r["peak_mib"] for r in ok], marker="o", color=line.get_color(), label=labels[name])
         planned = [(r["seq_length"], r["planner_mib"]) for r in ok if r.get("planner_mib")]
         if planned:
-            ax_m.plot(*zip(*planned), linestyle="--", color=line.get_color(), alpha=0.7,
+            ax_m.plot(*zip(*planned), linestyle="--", marker="x", color=line.get_color(), alpha=0.7,
                       label=f"{labels[name]} (planner)")
     for ax, ylabel in ((ax_t, "s / step"), (ax_m, "peak MiB / rank")):
         ax.set_xscale("log", base=2)
@@ -144,7 +144,7 @@ def plot(result: dict[str, Any], path: str) -> Optional[str]:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(result["meta"]["model_text"], fontsize=9)
+    fig.suptitle(textwrap.fill(result["meta"]["model_text"], 150), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -25,8 +25,8 @@ def _log_line(iteration: int, iters: int, seconds: float) -> str:
 class FakeRunner:
     """Stands in for pretrain_gpt.py: step time and peak memory from formulas of the sequence length."""
 
-    def __init__(self, step_s, peak_mib, fail_at=()):
-        self.step_s, self.peak_mib, self.fail_at = step_s, peak_mib, set(fail_at)
+    def __init__(self, step_s, peak_mib, fail_at=(), oom_at=()):
+        self.step_s, self.peak_mib, self.fail_at, self.oom_at = step_s, peak_mib, set(fail_at), set(oom_at)
         self.calls = []
 
     def __call__(self, series, args, limits):
@@ -35,6 +35,8 @@ class FakeRunner:
         self.calls.append((series.name, seq, iters, limits))
         if seq in self.fail_at:
             return ScriptRun(1, "Traceback ...\nRuntimeError: boom", [], 3.0, 100 * MIB)
+        if seq in self.oom_at:  # run_measured killed it at the memory limit
+            return ScriptRun(137, _log_line(1, iters, 1.0), [], 5.0, limits.rss_limit_bytes + 1, over_memory=True)
         # the first step is slower (warm-up): only the last is timed
         output = "\n".join(_log_line(i, iters, self.step_s(seq) * (3 if i == 1 and iters > 1 else 1))
                            for i in range(1, iters + 1))
@@ -119,6 +121,12 @@ def test_failure_and_memory_budget_stop_a_series():
     rows = _series_rows(runner, [8192, 16384, 32768])
     assert [r["status"] for r in rows] == ["ok", "failed", "skipped"]
     assert "RuntimeError: boom" in rows[1]["reason"] and "failed" in rows[2]["reason"]
+    # a run killed at the memory budget does not fit: skipped, and so is the rest of the series
+    runner = FakeRunner(step_s=lambda s: 1.0, peak_mib=lambda s: 600, oom_at={16384})
+    rows = _series_rows(runner, [8192, 16384, 32768])
+    assert [r["status"] for r in rows] == ["ok", "skipped", "skipped"] and len(runner.calls) == 2
+    assert "does not fit: a process passed the 8 GiB memory budget" in rows[1]["reason"]
+    assert "did not fit" in rows[2]["reason"]
     # Megatron's own attention keeps s x s scores: the planner puts 32K over a 4 GiB budget, so it never runs
     runner = FakeRunner(step_s=lambda s: 1.0, peak_mib=lambda s: 600)
     rows = _series_rows(runner, [8192, 32768, 65536], series="megatron-causal", memory_budget_gib=4.0)
