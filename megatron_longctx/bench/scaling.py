@@ -137,6 +137,7 @@ SERIES = {s.name: s for s in (
 
 # ----------------------------------------------------------------------------------------- arguments
 def _token_list(flag: str) -> Callable[[str], list[int]]:
+    """A parser of ``16K,64K,1M`` (integers, or with K/M) whose errors name ``flag``."""
     from megatron_longctx.plan.cli import _tokens
 
     def parse(text: str) -> list[int]:
@@ -148,6 +149,13 @@ def _token_list(flag: str) -> Callable[[str], list[int]]:
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: give comma-separated token counts, e.g. 16K,64K,1M")
         return sorted(set(values))
     return parse
+
+
+def _token_count(text: str) -> int:
+    values = _token_list("--single-step-from")(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"--single-step-from {text!r}: give one token count, e.g. 1M")
+    return values[0]
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -176,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-gib", type=float, default=8.0,
                    help="per-rank memory budget: lengths the planner puts over it are skipped, and a run is killed "
                         "when a process's resident memory passes it")
-    p.add_argument("--single-step-from", type=_token_list("--single-step-from"), default="1M",
+    p.add_argument("--single-step-from", type=_token_count, default="1M",
                    help="from this length on one step is run and timed (below: two, the second timed)")
     p.add_argument("--calibration-length", type=int, default=2048,
                    help="tokens of the short run per kind of job (plugin, Megatron) that measures the fixed footprint "
@@ -211,7 +219,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if odd:
             parser.error(f"--{flag.replace('_', '-')}: {odd[0]} tokens cannot be split by CP=2 into 2·CP chunks; "
                          "give multiples of 4")
-    args.single_step_from = args.single_step_from[0]
 
 
 # --------------------------------------------------------------------------------------- one run

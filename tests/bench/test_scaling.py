@@ -186,7 +186,8 @@ def test_dry_run_through_the_cli_and_bad_flags(tmp_path, capsys):
     capsys.readouterr()
     for bad, flag in ((["--window", "2048,5"], "--window"), (["--lengths", "16K,10001"], "--lengths"),
                       (["--series", "windowed,nope"], "--series"), (["--budget-s", "0"], "--budget-s"),
-                      (["--causal-lengths", "x"], "--causal-lengths")):
+                      (["--causal-lengths", "x"], "--causal-lengths"),
+                      (["--single-step-from", "256K,1M"], "--single-step-from")):
         with pytest.raises(SystemExit) as exc:
             scaling.main([*bad, "--dry-run", "--output-dir", str(tmp_path)])
         assert exc.value.code == 2 and flag in capsys.readouterr().err
