@@ -16,6 +16,8 @@ import os
 import textwrap
 from typing import Any, Optional, Sequence
 
+from megatron_longctx.bench.report import log_log_axes
+
 SCHEMA = "megatron-longctx-scaling/1"
 MIB = 2**20
 
@@ -138,12 +140,7 @@ def plot(result: dict[str, Any], path: str) -> Optional[str]:
             ax_m.plot(*zip(*planned), linestyle="--", marker="x", color=line.get_color(), alpha=0.7,
                       label=f"{labels[name]} (planner)")
     for ax, ylabel in ((ax_t, "s / step"), (ax_m, "peak MiB / rank")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        log_log_axes(ax, ylabel, legend_size=7)
     fig.suptitle(textwrap.fill(result["meta"]["model_text"], 150), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
