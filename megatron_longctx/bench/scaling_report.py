@@ -85,7 +85,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"Per-step time budget {meta['budget_s']:.0f} s, memory budget {meta['memory_budget_gib']:g} GiB per rank; "
              f"{meta['device']}. s/step: Megatron's `elapsed time per iteration` of the last step (one step from "
              f"{_tokens(meta['single_step_from'])} tokens on, two below, the second timed). Peak: the largest rank's "
-             "peak resident memory. Planner: `megatron_longctx.plan` for the same configuration"
+             "peak resident memory. Wall: the whole run, start-up included. Planner: `megatron_longctx.plan` for the same configuration"
              + (f" + the fixed footprint measured at {_tokens(meta['calibration_length'])} tokens" if
                 meta.get("calibration_length") else " (no fixed footprint: --calibration-length 0)") + ".", ""]
     for name, cal in result.get("calibration", {}).items():
@@ -93,8 +93,8 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("calibration"):
         lines.append("")
     lines += ["| series | tokens | s/step | µs/token | peak MiB/rank | MiB/1K tokens | above fixed, MiB/1K | "
-              "planner MiB | planner/measured | loss | status |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "planner MiB | planner/measured | loss | wall s | status |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         status = f"{r['status']}: {r['reason']}" if r.get("reason") else r["status"]
         if r.get("over_budget"):
@@ -104,7 +104,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['label']} | {_tokens(r['seq_length'])} | {_num(r.get('step_s'), '.2f')} | "
             f"{_num(r.get('us_per_token'), '.1f')} | {_num(r.get('peak_mib'), '.0f')} | "
             f"{_num(r.get('mib_per_1k_tokens'), '.2f')} | {_num(r.get('above_fixed_mib_per_1k_tokens'), '.3f')} | "
-            f"{_num(r.get('planner_mib'), '.0f')} | {_num(ratio, '.2f')} | {_num(r.get('loss'), '.4f')} | {status} |")
+            f"{_num(r.get('planner_mib'), '.0f')} | {_num(ratio, '.2f')} | {_num(r.get('loss'), '.4f')} | "
+            f"{_num(r.get('wall_s'), '.0f')} | {status} |")
     lines += ["", "| series | lengths measured | time exponent | memory exponent | memory above fixed, exponent | "
               "µs/token longest/shortest | MiB/1K tokens longest/shortest |", "|---|---|---:|---:|---:|---:|---:|"]
     labels = {r["series"]: r["label"] for r in result["rows"]}
