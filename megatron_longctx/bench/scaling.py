@@ -41,6 +41,7 @@ import datetime
 import itertools
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -279,10 +280,14 @@ def script_runner(script: Path) -> Runner:
     return run
 
 
-def _tail(output: str, n: int = 2) -> str:
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception|Exit)\b.*)")
+
+
+def _tail(output: str) -> str:
+    """The rank's exception line (not torchrun's ``ChildFailedError`` about it), or the last lines."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error:" in line]
-    return " / ".join((errors or lines)[-n:])[-300:]
+    errors = [m.group(1) for m in map(_EXCEPTION.match, lines) if m and "ChildFailedError" not in m.group(1)]
+    return (errors[-1] if errors else " / ".join(lines[-2:]))[-300:]
 
 
 def measure(row: dict[str, Any], run: lm_scripts.ScriptRun, fixed_mib: Optional[float]) -> dict[str, Any]:

@@ -34,7 +34,9 @@ class FakeRunner:
         iters = int(args[args.index("--train-iters") + 1])
         self.calls.append((series.name, seq, iters, limits))
         if seq in self.fail_at:
-            return ScriptRun(1, "Traceback ...\nRuntimeError: boom", [], 3.0, 100 * MIB)
+            output = ("[rank1]: Traceback ...\n[rank1]: RuntimeError: boom\n    raise ChildFailedError(\n"
+                      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+            return ScriptRun(1, output, [], 3.0, 100 * MIB)
         if seq in self.oom_at:  # run_measured killed it at the memory limit
             return ScriptRun(137, _log_line(1, iters, 1.0), [], 5.0, limits.rss_limit_bytes + 1, over_memory=True)
         # the first step is slower (warm-up): only the last is timed
@@ -120,7 +122,7 @@ def test_failure_and_memory_budget_stop_a_series():
     runner = FakeRunner(step_s=lambda s: 1.0, peak_mib=lambda s: 600, fail_at={16384})
     rows = _series_rows(runner, [8192, 16384, 32768])
     assert [r["status"] for r in rows] == ["ok", "failed", "skipped"]
-    assert "RuntimeError: boom" in rows[1]["reason"] and "failed" in rows[2]["reason"]
+    assert rows[1]["reason"] == "exit code 1: RuntimeError: boom" and "failed" in rows[2]["reason"]
     # a run killed at the memory budget does not fit: skipped, and so is the rest of the series
     runner = FakeRunner(step_s=lambda s: 1.0, peak_mib=lambda s: 600, oom_at={16384})
     rows = _series_rows(runner, [8192, 16384, 32768])
