@@ -188,7 +188,7 @@ def torchrun(module: str, argv: Sequence[str], nproc: int, timeout: float | None
 
 
 # ------------------------------------------------------------------------------- measured commands
-MEASURE_POLL_S = 0.5  # how often :func:`run_measured` samples the job's processes
+MEASURE_POLL_S = 1.0  # how often :func:`run_measured` samples the job's processes (VmHWM keeps each peak between)
 
 
 @dataclasses.dataclass

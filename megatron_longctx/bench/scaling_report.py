@@ -3,9 +3,9 @@ a markdown table and a log-log PNG.
 
 A row is one (series, sequence length): ``status`` ``ok`` (measured), ``skipped`` (does not fit: not run,
 or killed past a budget; the reason says which, e.g. the predicted step over the time budget), ``failed``
-(the job exited with an error: the reason has its last lines) or ``planned`` (``--dry-run``).  Measured rows carry ``step_s`` (seconds of
-the timed step), ``peak_mib`` (the largest rank's peak resident memory) and ``planner_mib`` (the planner's
-prediction for the same configuration).
+(the job exited with an error: the reason has its exception) or ``planned`` (``--dry-run``).  Measured
+rows carry ``step_s`` (seconds of the timed step), ``peak_mib`` (the largest rank's peak resident memory)
+and ``planner_mib`` (the planner's prediction for the same configuration).
 """
 
 from __future__ import annotations
@@ -82,10 +82,11 @@ def markdown(result: dict[str, Any]) -> str:
     """The table of every row, then the fitted exponents per series."""
     meta = result["meta"]
     lines = [f"# Scaling: {meta['model_text']}", "",
-             f"Per-step time budget {meta['budget_s']:.0f} s, memory budget {meta['memory_budget_gib']:g} GiB per rank; "
-             f"{meta['device']}. s/step: Megatron's `elapsed time per iteration` of the last step (one step from "
-             f"{_tokens(meta['single_step_from'])} tokens on, two below, the second timed). Peak: the largest rank's "
-             "peak resident memory. Wall: the whole run, start-up included. Planner: `megatron_longctx.plan` for the same configuration"
+             f"Per-step time budget {meta['budget_s']:.0f} s, memory budget {meta['memory_budget_gib']:g} GiB per "
+             f"rank; {meta['device']}. s/step: Megatron's `elapsed time per iteration` of the last step (one step "
+             f"from {_tokens(meta['single_step_from'])} tokens on, two below, the second timed). Peak: the largest "
+             "rank's peak resident memory. Wall: the whole run, start-up included. Planner: `megatron_longctx.plan` "
+             "for the same configuration"
              + (f" + the fixed footprint measured at {_tokens(meta['calibration_length'])} tokens" if
                 meta.get("calibration_length") else " (no fixed footprint: --calibration-length 0)") + ".", ""]
     for name, cal in result.get("calibration", {}).items():
