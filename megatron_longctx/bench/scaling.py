@@ -352,8 +352,10 @@ def predict_step_s(points: Sequence[tuple[int, float]], seq: int, degree: int) -
 
 def run_series(series: Series, lengths: Sequence[int], *, model: ModelSpec, window: tuple[int, int], budget_s: float,
                memory_budget_gib: float, single_step_from: int, startup_s: float, fixed_mib: Optional[float],
-               runner: Optional[Runner], log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """The rows of one series, shortest first; ``runner=None``: planned only (``--dry-run``)."""
+               runner: Optional[Runner], log: Callable[[str], None] = print,
+               on_row: Callable[[dict[str, Any]], None] = lambda row: None) -> list[dict[str, Any]]:
+    """The rows of one series, shortest first, each given to ``on_row`` once final; ``runner=None``: planned
+    only (``--dry-run``)."""
     rows: list[dict[str, Any]] = []
     points: list[tuple[int, float]] = []
     stopped: Optional[str] = None
@@ -383,11 +385,13 @@ def run_series(series: Series, lengths: Sequence[int], *, model: ModelSpec, wind
         elif runner is None:
             row.update(status="planned")
         if row.get("status"):
+            on_row(row)
             continue
         log(f"[scaling] {series.name} at {seq} tokens ({steps} step{'s' if steps > 1 else ''}"
             + (f", predicted {predicted_s:.1f} s/step" if predicted_s is not None else "") + ") ...")
         limits = RunLimits(timeout_s=startup_s + (steps + 1) * budget_s, rss_limit_bytes=int(memory_budget_gib * GIB))
         measure(row, runner(series, args, limits), fixed_mib)
+        on_row(row)
         if row["status"] != "ok":
             log(f"[scaling]   {row['status']}: {row['reason']}")
             stopped = f"the run at {seq} tokens " + ("did not fit" if row["status"] == "skipped" else "failed")
@@ -422,9 +426,11 @@ def calibrate(series: Series, seq: int, *, model: ModelSpec, runner: Runner, mem
 
 
 # ------------------------------------------------------------------------------------------- driver
-def run(args: argparse.Namespace, runner: Optional[Runner] = None) -> dict[str, Any]:
-    """Every series of ``args``; the result dict (meta, calibration, rows, fits).  ``runner``: how a run is
-    made (default: Megatron-LM's script copied under ``--output-dir``; ``--dry-run``: none)."""
+def run(args: argparse.Namespace, runner: Optional[Runner] = None,
+        on_update: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """Every series of ``args``; the result dict (meta, calibration, rows, fits), also given to ``on_update``
+    after each row.  ``runner``: how a run is made (default: Megatron-LM's script copied under
+    ``--output-dir``; ``--dry-run``: none)."""
     model = MODELS[args.model]
     if runner is None and not args.dry_run:
         if args.megatron_lm_dir:
@@ -439,12 +445,6 @@ def run(args: argparse.Namespace, runner: Optional[Runner] = None) -> dict[str, 
             if series.kind not in calibration:
                 calibration[series.kind] = calibrate(series, args.calibration_length, model=model, runner=runner,
                                                      **limits)
-    rows: list[dict[str, Any]] = []
-    for series in args.series_list:
-        cal = calibration.get(series.kind, {})
-        rows += run_series(series, args.lengths if series.windowed else args.causal_lengths, model=model,
-                           window=args.window, single_step_from=args.single_step_from,
-                           fixed_mib=cal.get("fixed_mib"), runner=runner, **limits)
     meta = dict(model=dataclasses.asdict(model), model_text=model.text(), window=list(args.window),
                 budget_s=args.budget_s, memory_budget_gib=args.memory_budget_gib,
                 single_step_from=args.single_step_from, calibration_length=args.calibration_length,
@@ -454,7 +454,20 @@ def run(args: argparse.Namespace, runner: Optional[Runner] = None) -> dict[str, 
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 dry_run=bool(args.dry_run))
     names = [s.name for s in args.series_list]
-    return dict(schema=report.SCHEMA, meta=meta, calibration=calibration, rows=rows, fits=report.fits(rows, names))
+    result: dict[str, Any] = dict(schema=report.SCHEMA, meta=meta, calibration=calibration, rows=[], fits={})
+
+    def add(row: dict[str, Any]) -> None:
+        result["rows"].append(row)
+        result["fits"] = report.fits(result["rows"], names)
+        on_update(result)
+
+    for series in args.series_list:
+        cal = calibration.get(series.kind, {})
+        run_series(series, args.lengths if series.windowed else args.causal_lengths, model=model, window=args.window,
+                   single_step_from=args.single_step_from, fixed_mib=cal.get("fixed_mib"), runner=runner,
+                   on_row=add, **limits)
+    result["fits"] = report.fits(result["rows"], names)
+    return result
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -463,8 +476,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     args.argv = argv
-    try:
-        result = run(args)
+    try:  # the JSON and the table are rewritten after every row: an interrupted run keeps what it measured
+        result = run(args, on_update=lambda partial: report.write_all(partial, args.output_dir, plots=False))
     except FileNotFoundError as exc:  # Megatron-LM's scripts are not here
         print(f"megatron-longctx bench --scaling: {exc} (or pass --megatron-lm-dir)", file=sys.stderr)
         return 2

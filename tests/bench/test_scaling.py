@@ -164,7 +164,9 @@ def test_report_files_and_fits(tmp_path):
     runner = FakeRunner(step_s=lambda s: 2e-9 * s**2, peak_mib=lambda s: 3 * s / 1024)
     args = _args("--series", "causal,megatron-causal", "--causal-lengths", "4K,8K,16K", "--calibration-length", "0",
                  "--output-dir", str(tmp_path))
-    result = scaling.run(args, runner=runner)
+    seen = []  # main() rewrites the files after every row: an interrupted run keeps what it measured
+    result = scaling.run(args, runner=runner, on_update=lambda partial: seen.append(len(partial["rows"])))
+    assert seen == [1, 2, 3, 4, 5, 6]
     fit = result["fits"]["causal"]
     assert fit["time_exponent"] == pytest.approx(2.0, abs=1e-3) and fit["memory_exponent"] == pytest.approx(1.0)
     assert fit["mib_per_1k_tokens_ratio"] == pytest.approx(1.0) and fit["longest_measured"] == 16384
