@@ -188,16 +188,17 @@ def torchrun(module: str, argv: Sequence[str], nproc: int, timeout: float | None
 
 
 # ------------------------------------------------------------------------------- measured commands
-MEASURE_POLL_S = 1.0  # how often :func:`run_measured` samples the job's processes (VmHWM keeps each peak between)
+MEASURE_POLL_S = 0.25  # how often :func:`run_measured` samples the job's processes (VmHWM keeps each peak between)
 
 
 @dataclasses.dataclass
 class Measured:
     """What :func:`run_measured` saw of a command.
 
-    ``peak_rss_bytes``: the largest peak resident set size of the command's process and the descendants it
-    reaped (``wait4``'s ``ru_maxrss``: exact, the kernel's high-water mark of the largest one; a torchrun
-    job's ranks are reaped by torchrun), or the largest sampled peak when the job was killed.
+    ``peak_rss_bytes``: the largest of ``process_peaks``. Each is the kernel's high-water mark (``VmHWM``)
+    read at the last sample before the process ended, so only growth in its last :data:`MEASURE_POLL_S`
+    can escape it. (``wait4``'s ``ru_maxrss`` cannot stand in: a child's count starts from the size of
+    the process it was forked from, so a command started by a large process reports that process's size.)
     ``process_peaks``: each process's peak (``VmHWM``) as last sampled, by pid, the command's own first;
     ``child_pids``: the command's direct children seen (a torchrun job's ranks).
     """
@@ -256,7 +257,7 @@ def run_measured(command: Sequence[str], cwd: str | os.PathLike | None = None, e
                 known.update({pid: _started(pid) for pid in descendants(proc.pid)})
                 _signal_all(ours(), signal.SIGKILL)
 
-        while not stop.wait(MEASURE_POLL_S):
+        while True:  # the first sample at once: a short command is seen too
             tree = _children_map()
             children.update(tree.get(proc.pid, []))
             for pid in {proc.pid} | descendants(proc.pid, tree):
@@ -271,6 +272,8 @@ def run_measured(command: Sequence[str], cwd: str | os.PathLike | None = None, e
                 why.append("timeout")
             if why:
                 kill_all()
+            if stop.wait(MEASURE_POLL_S):
+                break
         known.pop(proc.pid, None)  # reaped below; what is left are ranks outliving their torchrun
         _signal_all(ours(), signal.SIGKILL)
 
@@ -280,7 +283,7 @@ def run_measured(command: Sequence[str], cwd: str | os.PathLike | None = None, e
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            _, status = os.waitpid(proc.pid, 0)
         finally:
             stop.set()
             sampler.join()
@@ -288,10 +291,8 @@ def run_measured(command: Sequence[str], cwd: str | os.PathLike | None = None, e
         out.seek(0)
         output = out.read().decode(errors="replace")
     wall = time.monotonic() - start
-    peak = usage.ru_maxrss * 1024  # Linux reports KiB
     ordered = {proc.pid: peaks.pop(proc.pid, 0), **peaks}
-    if why:
-        peak = max([peak, *ordered.values()])
+    peak = max(ordered.values())
     rc = TIMEOUT_RC if why == ["timeout"] else proc.returncode
     rc = 128 - rc if rc < 0 else rc
     return Measured(rc, output, wall, peak, ordered, sorted(children), timed_out=why == ["timeout"],

@@ -195,6 +195,13 @@ def test_run_measured_reports_the_largest_peak_and_each_child():
     assert m.process_peaks[m.child_pids[0]] >= 100 << 20  # sampled while it slept
 
 
+def test_run_measured_is_not_charged_for_the_process_that_started_it():
+    held = bytearray(600 << 20)  # the caller is large (a long pytest session); the command is not
+    m = procs.run_measured([sys.executable, "-c", "import time; b = bytearray(50 << 20); time.sleep(0.6)"])
+    assert m.returncode == 0, m.output
+    assert 50 << 20 <= m.peak_rss_bytes < 300 << 20, (m.peak_rss_bytes, len(held))
+
+
 @pytest.mark.parametrize("limit", ["timeout", "memory"])
 def test_run_measured_kills_the_whole_tree_past_a_limit(limit):
     start = time.monotonic()
