@@ -20,7 +20,8 @@ buffer, or none on the device when they stream, :mod:`grad_stream`), the gathere
 one tile's activations (FPDT, Yao et al. 2024, arXiv:2408.16978, runs a layer in sequence chunks the
 same way); the layer input too, unless the checkpoint offload holds it (:func:`hooks.pack_rows`: each
 pass reads it back one tile at a time).  Parameter gradients are summed over the tiles (straight into
-Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`) and returned by one autograd node,
+Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`; a fused linear's own accumulation
+into ``main_grad`` is honoured, its placeholder dropped) and returned by one autograd node,
 so gradient hooks (Megatron's DDP) fire once per parameter, as without tiling.
 
 The core attention takes part through :func:`current`: while a replay is active it reads the
@@ -267,11 +268,7 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
             if g is not None and leaves[i].requires_grad:
                 outs.append(leaves[i])
                 out_grads.append(g.rows(lo, hi))
-        if outs:
-            got = torch.autograd.grad(outs, (x_t, *params), out_grads, allow_unused=True)
-            dparams.add(got[1:])
-        else:
-            got = (None,)
+        got = dparams.grad(outs, (x_t,), out_grads) if outs else (None,)
         dx.put(lo, hi, got[0])
         del leaves, outs, out_grads, got
     replay.state.reduce_grads()
@@ -284,11 +281,10 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
             with torch.enable_grad(), _active(replay):
                 call.run_tile(x_t, lo, hi)
         except ReplayStop as stop:
-            got = torch.autograd.grad(stop.outputs, (x_t, *params), stop.grads, allow_unused=True)
+            got = dparams.grad(stop.outputs, (x_t,), stop.grads)
         else:
             raise RuntimeError("tiled replay: the layer did not stop at its core attention in the K/V pass")
         dx.add(lo, hi, got[0])
-        dparams.add(got[1:])
         del got
     replay.state.release()
     return dparams.result()
