@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -64,6 +64,17 @@ class ReplayStop(Exception):
     def __init__(self, outputs: tuple = (), grads: tuple = ()) -> None:
         super().__init__("tiled replay stopped at the core attention")
         self.outputs, self.grads = outputs, grads
+
+
+class RangeStack(Protocol):
+    """A profiler's stack of open ranges (Megatron's NVTX ranges): a tile stopped by :class:`ReplayStop`
+    leaves the ranges the layer pushed before its core attention open; the replay pops them."""
+
+    def depth(self) -> int:
+        """How many ranges are open."""
+
+    def pop_to(self, depth: int) -> None:
+        """Close the innermost ranges until ``depth`` are open."""
 
 
 @dataclasses.dataclass
@@ -128,12 +139,19 @@ class _TiledCall:
     out_spec: Any = None
     token_slots: Optional[list] = None  # output leaves with one row per token (concatenated over tiles)
     other_leaves: Optional[list] = None  # the remaining output leaves, as the first tile returned them
+    ranges: Optional[RangeStack] = None  # ranges the layer opens, closed when a tile stops mid-layer
 
     def run_tile(self, x_t: torch.Tensor, lo: int, hi: int) -> Any:
         kwargs = {k: (_rows(v, lo, hi) if k in PER_TOKEN_KWARGS else v) for k, v in self.kwargs.items()}
-        if self.positional:
-            return self.fn(x_t, *self.rest, **kwargs)
-        return self.fn(hidden_states=x_t, **kwargs)
+        depth = self.ranges.depth() if self.ranges is not None else 0
+        try:
+            if self.positional:
+                return self.fn(x_t, *self.rest, **kwargs)
+            return self.fn(hidden_states=x_t, **kwargs)
+        except ReplayStop:
+            if self.ranges is not None:
+                self.ranges.pop_to(depth)  # what the stopped tile pushed (the layer's and its attention's)
+            raise
 
 
 def _rows(value: Any, lo: int, hi: int) -> Any:
@@ -353,7 +371,7 @@ class TiledCheckpointFunction(torch.autograd.Function):
 
 def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any,
                      grad_target: Optional[grad_stream.Target] = None, output_over_input: bool = False,
-                     **kwargs: Any) -> Any:
+                     ranges: Optional[RangeStack] = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a transformer layer) kept as its input and replayed in ``num_tiles`` tiles.
 
     The first argument (or ``hidden_states``) is ``[s, b, h]``, cut along ``s``; the rotary
@@ -362,7 +380,8 @@ def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *a
     from the first tile.  ``grad_target``: the input's gradient may stream there (:mod:`grad_stream`).
     ``output_over_input``: the first output is written over the input's memory when the checkpoint
     offload holds the input's values (an in-place op on the input, as ``x.add_(...)``: the caller's
-    tensor then holds the output).  Without grad mode this is ``fn(*args, **kwargs)``.
+    tensor then holds the output).  ``ranges``: the profiler ranges ``fn`` opens (Megatron's NVTX stack),
+    closed again when a tile stops at the core attention.  Without grad mode this is ``fn(*args, **kwargs)``.
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
@@ -376,7 +395,8 @@ def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *a
         raise ValueError("--longctx-recompute-tiles: only the layer's hidden states may require grad "
                          "(another tensor argument does); set --longctx-recompute-tiles 0")
     call = _TiledCall(fn=fn, positional=bool(args), rest=tuple(args[1:]), kwargs=kwargs, num_tiles=num_tiles,
-                      rng=RngSnapshot.capture(), grad_target=grad_target, output_over_input=output_over_input)
+                      rng=RngSnapshot.capture(), grad_target=grad_target, output_over_input=output_over_input,
+                      ranges=ranges)
     trainable = tuple(p for p in params() if p.requires_grad)
     outs = TiledCheckpointFunction.apply(call, x, *trainable)
     leaves = list(call.other_leaves)
