@@ -285,7 +285,7 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     handle = MemoryHandle(cfg=cfg, layers=layers, offloader=offloader)
     grad_target = None
     if cfg.offload_residual_grad:
-        grad_target = grad_stream.Target(offloader.disk_dir if cfg.offload_target == "disk" else None)
+        grad_target = grad_stream.Target(offloader.disk_dir if cfg.offload_target == "disk" else None, offloader)
     if cfg.tiled_mlp_tiles > 1:
         tiled = tiled_mlp_type()
         mlps = [getattr(layer, "mlp", None) for layer in layers]

@@ -159,17 +159,22 @@ def _rows(value: Any, lo: int, hi: int) -> Any:
     return pytree.tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, value)
 
 
-Rows = Callable[[int, int], torch.Tensor]  # rows [lo, hi) of the layer input
+Rows = Callable[[int, int, Optional[tuple]], torch.Tensor]  # rows [lo, hi) of the layer input; the rows read next
+
+
+def _with_next(tiles: list) -> list:
+    """``[((lo, hi), the next tile or None), ...]``: a tile's reader may start fetching the next one."""
+    return list(zip(tiles, [*tiles[1:], None]))
 
 
 def _collect(call: _TiledCall, rows: Rows, seq_len: int, with_grads: bool) -> _Replay:
     """Pass 1: every tile's K/V stored by the core attention, then gathered."""
     replay = _Replay(seq_len=seq_len)
     with torch.no_grad(), _active(replay):
-        for lo, hi in tile_bounds(seq_len, call.num_tiles):
+        for (lo, hi), ahead in _with_next(tile_bounds(seq_len, call.num_tiles)):
             replay.lo, replay.hi = lo, hi
             try:
-                call.run_tile(rows(lo, hi), lo, hi)
+                call.run_tile(rows(lo, hi, ahead), lo, hi)
             except ReplayStop:
                 continue
             raise ValueError("--longctx-recompute-tiles: the layer ran to its end without reaching the plugin's "
@@ -186,7 +191,7 @@ def _forward(call: _TiledCall, x: torch.Tensor,
     ``over_input``: the first output, when it has the input's shape and dtype, is written over ``x``
     (each tile's rows once the tile has run; pass 1 has read every row before); called once before the
     first write, it returns when ``x``'s memory may be overwritten."""
-    replay = _collect(call, lambda lo, hi: x[lo:hi], x.shape[0], with_grads=False)
+    replay = _collect(call, lambda lo, hi, ahead: x[lo:hi], x.shape[0], with_grads=False)
     replay.mode = ATTEND
     outs: list[torch.Tensor] = []
     with torch.no_grad(), _active(replay):
@@ -217,10 +222,10 @@ class _OutputGrad:
     def __init__(self, dense: Optional[torch.Tensor], stream: Optional[grad_stream.GradStream]) -> None:
         self.dense, self.stream = dense, stream
 
-    def rows(self, lo: int, hi: int) -> torch.Tensor:
+    def rows(self, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
         if self.stream is None:
             return self.dense[lo:hi]
-        rows = self.stream.read(lo, hi)
+        rows = self.stream.read(lo, hi, ahead)
         return rows if self.dense is None else rows.add_(self.dense[lo:hi])
 
 
@@ -242,7 +247,8 @@ class _InputGrad:
     def put(self, lo: int, hi: int, rows: Optional[torch.Tensor]) -> None:
         if self.stream is not None:
             shape, dtype, device = self.like
-            self.stream.write(lo, hi, rows if rows is not None else torch.zeros((hi - lo, *shape[1:]), dtype=dtype))
+            self.stream.write(lo, hi, rows if rows is not None
+                              else torch.zeros((hi - lo, *shape[1:]), dtype=dtype, device=device))
         elif rows is not None:
             self.dense[lo:hi] = rows
         else:
@@ -253,15 +259,16 @@ class _InputGrad:
             shape, dtype, device = self.like
             self.dense = torch.empty(shape, dtype=dtype, device=device)
 
-    def add(self, lo: int, hi: int, rows: Optional[torch.Tensor]) -> None:
+    def add(self, lo: int, hi: int, rows: Optional[torch.Tensor], ahead: Optional[tuple] = None) -> None:
         if self.stream is None:
             if rows is not None:
                 self.dense[lo:hi] += rows
         elif self.onward:
             if rows is not None:
-                self.stream.write(lo, hi, self.stream.read(lo, hi).add_(rows))
+                self.stream.write(lo, hi, self.stream.read(lo, hi, ahead).add_(rows))
         else:
-            self.dense[lo:hi] = self.stream.read(lo, hi) if rows is None else self.stream.read(lo, hi).add_(rows)
+            self.dense[lo:hi] = (self.stream.read(lo, hi, ahead) if rows is None
+                                 else self.stream.read(lo, hi, ahead).add_(rows))
 
 
 def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads: list) -> list:
@@ -276,25 +283,25 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
     dparams = grad_buffers.ParamGrads(params)
     tiles = tile_bounds(seq_len, call.num_tiles)
     replay.mode = ATTEND
-    for lo, hi in tiles:
+    for (lo, hi), ahead in _with_next(tiles):
         replay.lo, replay.hi = lo, hi
-        x_t = rows(lo, hi).detach().requires_grad_(True)
+        x_t = rows(lo, hi, ahead).detach().requires_grad_(True)
         with torch.enable_grad(), _active(replay):
             leaves = pytree.tree_leaves(call.run_tile(x_t, lo, hi))
         outs, out_grads = [], []
         for i, g in zip(call.token_slots, grads):
             if g is not None and leaves[i].requires_grad:
                 outs.append(leaves[i])
-                out_grads.append(g.rows(lo, hi))
+                out_grads.append(g.rows(lo, hi, ahead))
         got = dparams.grad(outs, (x_t,), out_grads) if outs else (None,)
         dx.put(lo, hi, got[0])
         del leaves, outs, out_grads, got
     replay.state.reduce_grads()
     dx.begin_kv_pass()
     replay.mode = KV_GRAD
-    for lo, hi in tiles:
+    for (lo, hi), ahead in _with_next(tiles):
         replay.lo, replay.hi = lo, hi
-        x_t = rows(lo, hi).detach().requires_grad_(True)
+        x_t = rows(lo, hi, ahead).detach().requires_grad_(True)
         try:
             with torch.enable_grad(), _active(replay):
                 call.run_tile(x_t, lo, hi)
@@ -302,7 +309,7 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
             got = dparams.grad(stop.outputs, (x_t,), stop.grads)
         else:
             raise RuntimeError("tiled replay: the layer did not stop at its core attention in the K/V pass")
-        dx.add(lo, hi, got[0])
+        dx.add(lo, hi, got[0], ahead)
         del got
     replay.state.release()
     return dparams.result()
@@ -344,7 +351,7 @@ class TiledCheckpointFunction(torch.autograd.Function):
         item, ctx.rows_item = ctx.rows_item, None  # the offloaded copy is released with this backward
         if item is None:
             x = ctx.saved_tensors[0].detach()
-            rows: Rows = lambda lo, hi: x[lo:hi]  # noqa: E731
+            rows: Rows = lambda lo, hi, ahead: x[lo:hi]  # noqa: E731
         else:
             rows = functools.partial(hooks.unpack_rows, item)
         shape, dtype, device = ctx.input_like
