@@ -48,7 +48,9 @@ class GradStream:
 
     ``disk_dir``: an unlinked file there (its space is freed when the stream is); else host memory: with
     ``offloader`` (a device gradient) a buffer of its host pool, moved on its side stream; without, host
-    memory of its own, pinned when CUDA is available.
+    memory of its own, pinned when CUDA is available.  With ``offloader``, rows read from the file are
+    staged through pinned memory and come to the device on its side stream too (writes to the file
+    still wait for their rows).
     """
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
@@ -61,6 +63,8 @@ class GradStream:
         self._off = None  # the offloader whose side stream moves the rows
         self._ahead: Optional[tuple] = None  # ((lo, hi), buffer, event): the next rows, on their way
         self.path = disk_dir
+        if offloader is not None and offloader.ops.is_device(torch.empty(0, device=device)):
+            self._off = offloader
         if disk_dir is not None:
             fd = None
             try:
@@ -73,8 +77,7 @@ class GradStream:
                 raise disk_error("creating the residual gradient's file", self.path, exc) from exc
             self._fd = fd
             weakref.finalize(self, os.close, fd)
-        elif offloader is not None and offloader.ops.is_device(torch.empty(0, device=device)):
-            self._off = offloader
+        elif self._off is not None:
             nbytes = self.shape[0] * self.row_bytes
             buf = offloader.pool.take(nbytes)  # [nbytes] uint8
             if buf is None:
@@ -103,7 +106,12 @@ class GradStream:
         if self._host is not None:
             return self._host[lo:hi].to(self.device, copy=True)
         rows = torch.empty((hi - lo, *self.shape[1:]), dtype=self.dtype)
-        view = memoryview(rows.view(-1).view(torch.uint8).numpy())
+        self._pread(lo, hi, rows.view(-1).view(torch.uint8))
+        return rows.to(self.device)
+
+    def _pread(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Rows ``[lo, hi)`` of the file into ``out`` (host ``[(hi - lo) * row_bytes]`` uint8)."""
+        view = memoryview(out.numpy())
         try:
             got = os.preadv(self._fd, [view], lo * self.row_bytes)
         except OSError as exc:
@@ -111,21 +119,24 @@ class GradStream:
         if got != len(view):
             raise disk_error(f"reading rows {lo}:{hi} of the residual gradient from", self.path,
                              OSError(5, f"read {got} of {len(view)} bytes"))
-        return rows.to(self.device)
 
     def _to_device(self, lo: int, hi: int) -> tuple[torch.Tensor, Any]:
-        # the host rows were last written on the same side stream: no event to wait for
         self._off.stats.residual_grad_bytes += (hi - lo) * self.row_bytes
-        return self._off.rows_to_device(self._host[lo:hi].reshape(-1).view(torch.uint8), self.device)
+        if self._host is not None:  # last written on the same side stream: no event to wait for
+            return self._off.rows_to_device(self._host[lo:hi].reshape(-1).view(torch.uint8), self.device)
+        # staged through pinned memory (torch's cached host blocks: one is not reused before its copy has run)
+        staging = torch.empty((hi - lo) * self.row_bytes, dtype=torch.uint8, pin_memory=self._off.pool.pin)
+        self._pread(lo, hi, staging)
+        return self._off.rows_to_device(staging, self.device)
 
     def write(self, lo: int, hi: int, rows: torch.Tensor) -> None:
         """Rows ``[lo, hi)`` set to ``rows``."""
         if self._dense is not None:
             self._dense[lo:hi] = rows
             return
-        if self._off is not None:
-            if self._ahead is not None and self._ahead[0][0] < hi and lo < self._ahead[0][1]:
-                self._ahead = None  # fetched before this write: stale
+        if self._ahead is not None and self._ahead[0][0] < hi and lo < self._ahead[0][1]:
+            self._ahead = None  # fetched before this write: stale
+        if self._off is not None and self._host is not None:
             src = rows.detach().to(self.dtype).contiguous().view(-1).view(torch.uint8)  # [(hi - lo) * row_bytes]
             self._off.copy_to_host(self._host[lo:hi].view(-1).view(torch.uint8), src)
             self._off.stats.residual_grad_bytes += src.numel()
@@ -134,6 +145,8 @@ class GradStream:
             self._host[lo:hi].copy_(rows)
             return
         data = rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
+        if self._off is not None:
+            self._off.stats.residual_grad_bytes += data.size
         view, offset = memoryview(data), lo * self.row_bytes
         try:
             while len(view):

@@ -238,3 +238,24 @@ def test_streams_through_the_offloader_are_exact_and_the_pool_bound_holds(pool, 
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
     assert held and max(held) <= off.pool.capacity
     assert (off.stats.kept_over_bound_bytes == 0) == (pool == "fits")
+
+
+def test_disk_stream_rows_are_staged_and_come_one_tile_ahead(tmp_path):
+    from tests.memory.fake_streams import RecordingOps
+    from tests.memory.test_offload_rows import TILES, assert_tiles_come_ahead
+
+    ops = RecordingOps()
+    off = _offloader(ops)
+    x = torch.randn(16, 2, 4, dtype=torch.float64)
+    stream = grad_stream.Target(str(tmp_path), offloader=off).new(x.shape, x.dtype, x.device)
+    for lo, hi in TILES:
+        stream.write(lo, hi, x[lo:hi])
+    assert off.pool.used == 0  # the file holds it
+    start = len(ops.log)
+    for (lo, hi), ahead in zip(TILES, [*TILES[1:], None]):
+        torch.testing.assert_close(stream.read(lo, hi, ahead), x[lo:hi], rtol=0, atol=0)
+        ops.log.append(("compute", lo))
+    log = [e for e in ops.log[start:] if e[0] != "free"]
+    assert ("wait_stream", "side", "compute") not in log
+    assert_tiles_come_ahead(log, len(TILES))
+    assert off.stats.residual_grad_bytes == 2 * x.numel() * 8
