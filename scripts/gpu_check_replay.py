@@ -85,12 +85,9 @@ def _ddp_main_grads(shape: dict, seq: int, dtype: torch.dtype, device: torch.dev
 
 
 def section_fused_replay(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
-    """One layer, bf16 with float32 ``main_grad``: the tiled replay against plain full recompute, both under
-    Megatron's DDP with ``gradient_accumulation_fusion``."""
+    """One layer, bf16 (float32 on the CPU) with float32 ``main_grad``: the tiled replay against plain full
+    recompute, both under Megatron's DDP with ``gradient_accumulation_fusion``."""
     require_megatron()
-    if device.type != "cuda":
-        raise Skip("CPU: Megatron's DDP and its fused linears need CUDA (tests/memory/test_fused_accumulation.py "
-                   "runs the protocol on the CPU)")
     from megatron_longctx.memory import MemoryConfig
 
     shape, seq, dtype = dict(sizes.gpt_model, num_layers=1), sizes.gpt_seq, dtype_for(device)
@@ -104,7 +101,7 @@ def section_fused_replay(device: torch.device, sizes: Sizes, budget: Budget) -> 
                flagged_params=tiled["flagged_params"])
     finite = all(torch.isfinite(g).all().item() for g in tiled["result"][1].values())
     out["per_param_rel_err"] = {n: _rel_err(tiled["result"][1][n], g) for n, g in full["result"][1].items()}
-    tol = 3e-2  # bf16 activations, float32 accumulation: the replay only reorders the sums
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4  # the replay only reorders the sums
     out["tolerance"] = tol
     ok = (finite and out["grad_max_rel_err"] <= tol and out["loss_rel_err"] <= tol and not out["grad_keys_differ"]
           and tiled["fused_linears"] > 0 and tiled["flagged_params"] > 0)

@@ -108,7 +108,11 @@ def test_dry_run_on_cpu_runs_every_section(tmp_path):
             stats = part["tiled_offload"]["offloader"]
             assert stats["row_fetches"] > 0 and stats["prefetched_groups"] == 0
             assert stats["fetched_bytes"] == 3 * stats["offloaded_bytes"] > 0
-    assert sections["fused_replay"]["status"] == "skipped" and "CUDA" in sections["fused_replay"]["reason"]
+    fused = sections["fused_replay"]
+    if fused["status"] == "skipped":
+        assert "megatron-core" in fused["reason"]
+    else:  # main_grad under DDP with fused linears: the replay's against full recompute's
+        assert fused["status"] == "ok" and fused["grad_max_rel_err"] < 1e-4 and fused["fused_linears"] > 0
     residual = sections["residual_grad"]
     if residual["status"] == "skipped":
         assert "megatron-core" in residual["reason"]
