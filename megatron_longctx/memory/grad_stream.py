@@ -48,9 +48,9 @@ class GradStream:
 
     ``disk_dir``: an unlinked file there (its space is freed when the stream is); else host memory: with
     ``offloader`` (a device gradient) a buffer of its host pool, moved on its side stream; without, host
-    memory of its own, pinned when CUDA is available.  With ``offloader``, rows read from the file are
-    staged through pinned memory and come to the device on its side stream too (writes to the file
-    still wait for their rows).
+    memory of its own, pinned when CUDA is available.  With ``offloader``, file rows are staged through
+    pinned memory: written rows go to the host on its side stream and to the file on its I/O worker (a
+    read of those rows waits for that write), rows read come to the device on its side stream.
     """
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
@@ -62,6 +62,7 @@ class GradStream:
         self._dense: Optional[torch.Tensor] = None  # past the pool's bound: the gradient stays on the device
         self._off = None  # the offloader whose side stream moves the rows
         self._ahead: Optional[tuple] = None  # ((lo, hi), buffer, event): the next rows, on their way
+        self._writes: list = []  # (lo, hi, future): rows on their way to the file (I/O worker)
         self.path = disk_dir
         if offloader is not None and offloader.ops.is_device(torch.empty(0, device=device)):
             self._off = offloader
@@ -111,6 +112,13 @@ class GradStream:
 
     def _pread(self, lo: int, hi: int, out: torch.Tensor) -> None:
         """Rows ``[lo, hi)`` of the file into ``out`` (host ``[(hi - lo) * row_bytes]`` uint8)."""
+        pending = []
+        for w in self._writes:  # these rows' writes first (a failed one raises here)
+            if w[0] < hi and lo < w[1]:
+                w[2].result()
+            elif not w[2].done():
+                pending.append(w)
+        self._writes = pending
         view = memoryview(out.numpy())
         try:
             got = os.preadv(self._fd, [view], lo * self.row_bytes)
@@ -144,10 +152,23 @@ class GradStream:
         if self._host is not None:
             self._host[lo:hi].copy_(rows)
             return
-        data = rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
-        if self._off is not None:
-            self._off.stats.residual_grad_bytes += data.size
-        view, offset = memoryview(data), lo * self.row_bytes
+        if self._off is not None and self._off.disk_dir is not None:  # the offloader's I/O worker writes
+            src = rows.detach().to(self.dtype).contiguous().view(-1).view(torch.uint8)  # [(hi - lo) * row_bytes]
+            staging = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=self._off.pool.pin)
+            copied = self._off.copy_to_host(staging, src)
+            self._writes.append((lo, hi, self._off.submit_io(self._write_staged, copied, lo, hi, staging)))
+            self._off.stats.residual_grad_bytes += src.numel()
+            return
+        self._pwrite(lo, hi, rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8))
+
+    def _write_staged(self, copied: Any, lo: int, hi: int, staging: torch.Tensor) -> None:
+        """On the I/O worker: once the copy to ``staging`` has landed, its rows into the file."""
+        self._off.ops.sync_event(copied)
+        self._pwrite(lo, hi, staging)
+
+    def _pwrite(self, lo: int, hi: int, data: torch.Tensor) -> None:
+        """Host ``[(hi - lo) * row_bytes]`` uint8 into rows ``[lo, hi)`` of the file."""
+        view, offset = memoryview(data.numpy()), lo * self.row_bytes
         try:
             while len(view):
                 done = os.pwrite(self._fd, view, offset)

@@ -242,16 +242,25 @@ def test_streams_through_the_offloader_are_exact_and_the_pool_bound_holds(pool, 
     assert (off.stats.kept_over_bound_bytes == 0) == (pool == "fits")
 
 
-def test_disk_stream_rows_are_staged_and_come_one_tile_ahead(tmp_path):
+def test_disk_stream_rows_are_staged_on_the_side_stream_and_the_io_worker(tmp_path):
+    """Through a disk offloader: each written tile goes to pinned memory on the side stream (compute never
+    waits) and to the file on the I/O worker; reads wait for their rows' writes and come one tile ahead."""
+    from megatron_longctx.memory.offload import ActivationOffloader
     from tests.memory.fake_streams import RecordingOps
     from tests.memory.test_offload_rows import TILES, assert_tiles_come_ahead
 
-    ops = RecordingOps()
-    off = _offloader(ops)
+    ops = RecordingOps(auto_land=False)
+    off = ActivationOffloader(MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_policy="checkpoint",
+                                           offload_target="disk", offload_disk_dir=str(tmp_path),
+                                           offload_residual_grad=True), ops=ops)
     x = torch.randn(16, 2, 4, dtype=torch.float64)
-    stream = grad_stream.Target(str(tmp_path), offloader=off).new(x.shape, x.dtype, x.device)
+    stream = grad_stream.Target(off.disk_dir, offloader=off).new(x.shape, x.dtype, x.device)
     for lo, hi in TILES:
-        stream.write(lo, hi, x[lo:hi])
+        stream.write(lo, hi, x[lo:hi].clone())
+    copies = [e for e in ops.log if e[0] == "copy"]
+    assert len(copies) == len(TILES) and all(e[3] == "side" for e in copies)
+    assert ops.entries("wait_stream") == [("wait_stream", "side", "compute")] * len(TILES)
+    assert not [e for e in ops.log if e[:2] == ("wait_event", "compute")]
     assert off.pool.used == 0  # the file holds it
     start = len(ops.log)
     for (lo, hi), ahead in zip(TILES, [*TILES[1:], None]):
@@ -261,3 +270,5 @@ def test_disk_stream_rows_are_staged_and_come_one_tile_ahead(tmp_path):
     assert ("wait_stream", "side", "compute") not in log
     assert_tiles_come_ahead(log, len(TILES))
     assert off.stats.residual_grad_bytes == 2 * x.numel() * 8
+    assert [e for e in ops.log if e[0] == "sync_event"]  # the worker waited for each copy before writing
+    off.close()
