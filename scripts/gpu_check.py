@@ -182,6 +182,11 @@ def _summary(name: str, r: dict) -> str:
                 + (f", peak {r['dense_step_peak_gib']:.2f} -> {r['streamed_step_peak_gib']:.2f} GiB, time "
                    f"{r['dense_s']:.2f} -> {r['streamed_s']:.2f} s, copy hidden {hidden:.0%}" if hidden is not None
                    else f"; {r.get('note', '')}"))
+    if name == "windows":
+        return "; ".join(
+            f"{b}: {e['status']}" + (f" (err {max(e['max_rel_err'].values()):.1e}, us/token x{e['us_per_token_growth']:.2f},"
+                                      f" keys/row x{e['keys_per_row_growth']:.2f} for 4x tokens)" if "rows" in e else "")
+            for b, e in r["backends"].items())
     if name == "max_seq":
         return (f"max trained {r['max_trained_seq']:,} tokens (stopped by {r['stopped_by']}); "
                 f"numerics rel err {r['numerics_rel_err']:.1e}")

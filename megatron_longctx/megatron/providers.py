@@ -53,7 +53,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         kwargs["pg_collection"] = pg_collection
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
-    model = GPTModel(config, spec, vocab_size=data_mod.padded_vocab_size(data_mod.ByteTokenizer()),
+    # Megatron pads to make_vocab_size_divisible_by x TP (megatron.training.vocab_utils), so that every TP
+    # rank's shard of the embedding and output layer has whole multiples of the divisor.
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    model = GPTModel(config, spec, vocab_size=data_mod.padded_vocab_size(data_mod.ByteTokenizer(), multiple),
                      max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                      post_process=post_process, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,

@@ -77,6 +77,7 @@ def test_dry_run_on_cpu_runs_every_section(tmp_path):
     assert windows["status"] == "ok", windows
     assert [r["seq"] for r in windows["rows"]] == sections["windows"]["lengths"]
     assert windows["rows"][1]["tiles"] > 1 and max(windows["max_rel_err"].values()) < 1e-4
+    assert windows["keys_per_row_growth"] < 1.5  # 4x the tokens, the same band: keys per row stay flat
     for name in ("offload", "offload_one_connection"):
         if sections[name]["status"] == "skipped":
             assert "megatron-core" in sections[name]["reason"]
