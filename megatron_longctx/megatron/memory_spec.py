@@ -44,6 +44,7 @@ from megatron_longctx.memory.lean_norm import install_lean_norms
 from megatron_longctx.memory.tiled_loss import install_tiled_loss
 from megatron_longctx.memory.tiled_recompute import tiled_checkpoint
 from megatron_longctx.memory.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
+from megatron_longctx.megatron.core_attention import NvtxRanges
 
 # Offload policy ``modules``: the submodule each name scopes (norm outputs are saved by their consumer,
 # so ``layernorm`` scopes the norms themselves: what the norm's backward keeps).
@@ -179,7 +180,7 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
                 if recompute and cfg.recompute_tiles > 1:
                     return tiled_checkpoint(original, cfg.recompute_tiles, layer.parameters, *args,
                                             grad_target=grad_target, output_over_input=cfg.tiled_output_over_input,
-                                            **kwargs)
+                                            ranges=NvtxRanges(), **kwargs)
                 return checkpoint(original, *args, **kwargs) if recompute else original(*args, **kwargs)
             finally:
                 if discard is not None:
@@ -284,7 +285,7 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     handle = MemoryHandle(cfg=cfg, layers=layers, offloader=offloader)
     grad_target = None
     if cfg.offload_residual_grad:
-        grad_target = grad_stream.Target(offloader.disk_dir if cfg.offload_target == "disk" else None)
+        grad_target = grad_stream.Target(offloader.disk_dir if cfg.offload_target == "disk" else None, offloader)
     if cfg.tiled_mlp_tiles > 1:
         tiled = tiled_mlp_type()
         mlps = [getattr(layer, "mlp", None) for layer in layers]
