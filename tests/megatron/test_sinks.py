@@ -158,3 +158,36 @@ def _checkpoint_body():
 
 def test_checkpoint_with_sinks_loads_both_ways():
     run_ranks(WORLD, _checkpoint_body)
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+def test_local_path_with_a_dense_mask_and_sinks_matches_float64(softmax_type):
+    """One CP rank with an arbitrary mask takes the local math path: the sink as one more score column."""
+    import math
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from tests import oracle
+    from tests.megatron.attention_kit import HQ, S, D, attention_config, cp_attention, qkv_inputs
+
+    module = cp_attention(attention_config(softmax_type=softmax_type, params_dtype=torch.float64),
+                          AttnMaskType.arbitrary)
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            module.softmax_offset.copy_(torch.randn(HQ, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    masked = torch.rand(S, S, generator=torch.Generator().manual_seed(3)) > 0.6
+    masked[3] = True  # a row that sees no key: out 0, the sink takes all the weight
+    q, k, v, dout = qkv_inputs(seed=6)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = module(*leaves, masked.view(1, 1, S, S))
+    out.backward(dout)
+    sink = module.softmax_offset.detach().clone().requires_grad_(softmax_type == "learnable")
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = oracle.sequence_attention(*ref_in, False, None, 1 / math.sqrt(D), ~masked, sink=sink).flatten(2)
+    wrt = ref_in + ([sink] if sink.requires_grad else [])
+    ref_grads = torch.autograd.grad(ref, wrt, dout)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    got = [x.grad for x in leaves] + ([module.softmax_offset.grad] if sink.requires_grad else [])
+    for g, r in zip(got, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
