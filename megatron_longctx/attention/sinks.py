@@ -55,7 +55,8 @@ def add_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tuple[
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """``dσ`` ``[h]`` (sink's dtype) of the rows held here, from dout and out' ``[b, s, h, d_v]``, lse' ``[b, h, s]``."""
+    """``dσ`` ``[h]`` (sink's dtype) of the rows held here, from dout and out' ``[b, s, h, d_v]`` and lse'
+    ``[b, h, s]``."""
     acc = lse.dtype
     p_sink = torch.exp(sink.detach().to(acc).view(1, -1, 1) - lse)  # [b, h, s]: the sink's probability
     dot = torch.einsum("bshd,bshd->bhs", dout.to(acc), out.to(acc))  # [b, h, s]: <dout, out'> per row

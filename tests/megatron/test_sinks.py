@@ -174,7 +174,8 @@ def test_local_path_with_a_dense_mask_and_sinks_matches_float64(softmax_type):
                           AttnMaskType.arbitrary)
     if softmax_type == "learnable":
         with torch.no_grad():
-            module.softmax_offset.copy_(torch.randn(HQ, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+            module.softmax_offset.copy_(torch.randn(HQ, generator=torch.Generator().manual_seed(1),
+                                                    dtype=torch.float64))
     masked = torch.rand(S, S, generator=torch.Generator().manual_seed(3)) > 0.6
     masked[3] = True  # a row that sees no key: out 0, the sink takes all the weight
     q, k, v, dout = qkv_inputs(seed=6)
