@@ -59,7 +59,7 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: to
     ``[b, h, s]``."""
     acc = lse.dtype
     p_sink = torch.exp(sink.detach().to(acc).view(1, -1, 1) - lse)  # [b, h, s]: the sink's probability
-    dot = torch.einsum("bshd,bshd->bhs", dout.to(acc), out.to(acc))  # [b, h, s]: <dout, out'> per row
+    dot = torch.linalg.vecdot(dout.to(acc), out.to(acc), dim=-1).transpose(1, 2)  # [b, h, s]: <dout, out'> per row
     return -(p_sink * dot).sum(dim=(0, 2)).to(sink.dtype)  # [h]
 
 
