@@ -82,6 +82,23 @@ def test_resume_without_the_adam_state_differs(job, tmp_path):
     assert resumed[5] != plugin[5] and resumed[6] != plugin[6]
 
 
+def test_attention_sinks_match_baseline_megatron(job, tmp_path):
+    """A gpt-oss-style model (learnable sinks, SwiGLU, RMSNorm, GQA, RoPE) at CP=2 trains as Megatron's own
+    attention (SoftmaxOne) does at CP=1: losses and grad norms, so the sinks' gradients are reduced over the
+    CP ranks once (DDP's dp_cp) and the optimizer moves them alike.  (Megatron's local attention builds its
+    window mask on "cuda", so the alternating windows are compared CP=2 to CP=1 in test_pretrain_gpt_script.)"""
+    out = str(tmp_path / "run")
+    proc = main_job.run(out, job["data"], "--train-iters", "3", "--baseline-steps", "3", "--no-resume-check",
+                        "--softmax-type", "learnable", "--swiglu", "--normalization", "RMSNorm",
+                        "--disable-bias-linear")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plugin, base = main_job.metrics(out, "plugin-cp2"), main_job.metrics(out, "baseline-cp1")
+    assert [r["step"] for r in plugin] == [r["step"] for r in base] == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in plugin]), torch.tensor([r[key] for r in base]),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--context-parallel-size", "0"], "--context-parallel-size 0"),
     (["--num-attention-heads", "0"], "--num-attention-heads 0"),
