@@ -41,7 +41,8 @@ _NUMERIC = (
     ("--tensor-model-parallel-size", int, 1), ("--pipeline-model-parallel-size", int, 1),
     ("--save-interval", int, 1), ("--ckpt-step", int, 0), ("--distributed-timeout-minutes", int, 1),
     ("--distributed-timeout-seconds-after-init", int, 1), ("--lr", float, 0.0), ("--log-interval", int, 1),
-    ("--attention-dropout", float, 0.0), ("--hidden-dropout", float, 0.0),
+    ("--attention-dropout", float, 0.0), ("--hidden-dropout", float, 0.0), ("--lr-warmup-iters", int, 0),
+    ("--lr-decay-iters", int, 1),
 )
 _MANAGED = ("--save", "--load", "--ckpt-step", "--save-interval", "--exit-interval")
 _OWN_MINIMUM = (("nproc_per_node", 1), ("data_max_bytes", 1), ("resume_check_steps", 1), ("baseline_steps", 1))
@@ -87,6 +88,11 @@ def _check_numbers(values: argparse.Namespace, own: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value}: a dropout probability must be in [0, 1)")
     if values.train_samples is not None:
         raise ValueError("--train-samples: the main job counts steps; give --train-iters instead")
+    decay = values.lr_decay_iters or values.train_iters  # Megatron decays over --train-iters by default
+    if values.lr_warmup_iters >= decay:
+        over = f"--lr-decay-iters {decay}" if values.lr_decay_iters else f"--train-iters {decay}"
+        raise ValueError(f"--lr-warmup-iters {values.lr_warmup_iters} must be below {over} (Megatron decays the "
+                         f"learning rate after the warm-up); give e.g. --lr-warmup-iters {max(0, decay - 1)}")
 
 
 def _check_layout(v: argparse.Namespace, world: int) -> None:
@@ -131,6 +137,11 @@ class Job:
     @classmethod
     def from_argv(cls, megatron_argv: list[str], own: argparse.Namespace) -> "Job":
         values, _ = _reader().parse_known_args(DEFAULTS + megatron_argv)
+        given = {item.split("=", 1)[0] for item in megatron_argv}
+        if "--lr-warmup-iters" not in given and values.lr_decay_iters is None and values.train_iters is not None \
+                and 1 <= values.train_iters <= values.lr_warmup_iters:  # a short run: the default warm-up fits it
+            values.lr_warmup_iters = values.train_iters - 1
+            megatron_argv = [*megatron_argv, "--lr-warmup-iters", str(values.lr_warmup_iters)]
         _check_numbers(values, own)
         _check_layout(values, own.nproc_per_node)
         save = values.save if values.save is not None else os.path.join(own.output_dir, "checkpoint")

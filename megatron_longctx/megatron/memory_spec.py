@@ -320,7 +320,7 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     if cfg.lean_norm:
         norms = install_lean_norms(chunks)
         handle.removers.extend(norms)
-        handle.active["lean RMSNorm"] = f"{len(norms)} norms"
+        handle.active["lean RMSNorm"] = f"{len(norms)} norms" if norms else "none (the model has no torch RMSNorm)"
     if cfg.tiled_output_over_input:
         for chunk in chunks:
             decoder = getattr(chunk, "decoder", None)

@@ -61,6 +61,7 @@ class GradStream:
         self._host: Optional[torch.Tensor] = None
         self._dense: Optional[torch.Tensor] = None  # past the pool's bound: the gradient stays on the device
         self._off = None  # the offloader whose side stream moves the rows
+        self._stats = None if offloader is None else offloader.stats  # rows moved are counted there
         self._ahead: Optional[tuple] = None  # ((lo, hi), buffer, event): the next rows, on their way
         self._writes: list = []  # (lo, hi, future): rows on their way to the file (I/O worker)
         self.path = disk_dir
@@ -104,11 +105,16 @@ class GradStream:
                 self._ahead = (tuple(ahead), *self._to_device(*ahead))
             # [(hi - lo) * row_bytes] uint8 -> [hi - lo, ...]
             return self._off.rows_ready(buf, event).view(self.dtype).view(hi - lo, *self.shape[1:])
+        self._count(hi - lo)
         if self._host is not None:
             return self._host[lo:hi].to(self.device, copy=True)
         rows = torch.empty((hi - lo, *self.shape[1:]), dtype=self.dtype)
         self._pread(lo, hi, rows.view(-1).view(torch.uint8))
         return rows.to(self.device)
+
+    def _count(self, rows: int) -> None:
+        if self._stats is not None:
+            self._stats.residual_grad_bytes += rows * self.row_bytes
 
     def _pread(self, lo: int, hi: int, out: torch.Tensor) -> None:
         """Rows ``[lo, hi)`` of the file into ``out`` (host ``[(hi - lo) * row_bytes]`` uint8)."""
@@ -151,6 +157,7 @@ class GradStream:
             return
         if self._host is not None:
             self._host[lo:hi].copy_(rows)
+            self._count(hi - lo)
             return
         if self._off is not None and self._off.disk_dir is not None:  # the offloader's I/O worker writes
             src = rows.detach().to(self.dtype).contiguous().view(-1).view(torch.uint8)  # [(hi - lo) * row_bytes]
@@ -160,6 +167,7 @@ class GradStream:
             self._off.stats.residual_grad_bytes += src.numel()
             return
         self._pwrite(lo, hi, rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8))
+        self._count(hi - lo)
 
     def _write_staged(self, copied: Any, lo: int, hi: int, staging: torch.Tensor) -> None:
         """On the I/O worker: once the copy to ``staging`` has landed, its rows into the file."""

@@ -8,7 +8,6 @@ gpt-oss-shaped model alternates sliding-window and full layers (``--window-size`
 model and the plugin's both ways, with the offset sharded over TP as Megatron shards it.
 """
 
-import contextlib
 import io
 from unittest import mock
 
@@ -25,28 +24,17 @@ GPT_OSS = {"window_size": (4, 0), "window_attn_skip_freq": 2, "gated_linear_unit
            "activation_func": F.silu, "normalization": "RMSNorm", "add_bias_linear": False}
 
 
-@contextlib.contextmanager
-def _megatron_window_mask_on_cpu():
-    """Megatron's local attention builds its sliding-window mask with device="cuda"; the same mask on the CPU."""
-    from megatron.core.fusions import fused_softmax
-
-    def mask(sq, skv, window_size):  # Megatron's get_sliding_window_causal_mask, device aside
-        m = torch.ones(sq, skv, dtype=torch.bool)
-        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
-
-    with mock.patch.object(fused_softmax, "get_sliding_window_causal_mask", mask):
-        yield
-
-
 def _megatron_reference(tp: int, batch, **fields):
     """Megatron's local-spec GPT at CP=1 with random sinks: (its state, loss, grads)."""
+    from megatron_longctx import cpu_compat
+
     base = build_gpt(tiny_config(tp, 1, **fields), local_spec())
     gen = torch.Generator().manual_seed(21)
     with torch.no_grad():
         for name, p in base.named_parameters():
             if name.endswith("softmax_offset"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 2)
-    with _megatron_window_mask_on_cpu():
+    with cpu_compat.enabled():  # Megatron's window mask is made on the CPU
         loss, grads = loss_and_grads(base, batch)
     return base.state_dict(), loss, grads
 
