@@ -42,7 +42,7 @@ _NUMERIC = (
     ("--save-interval", int, 1), ("--ckpt-step", int, 0), ("--distributed-timeout-minutes", int, 1),
     ("--distributed-timeout-seconds-after-init", int, 1), ("--lr", float, 0.0), ("--log-interval", int, 1),
     ("--attention-dropout", float, 0.0), ("--hidden-dropout", float, 0.0), ("--lr-warmup-iters", int, 0),
-    ("--lr-decay-iters", int, 1),
+    ("--lr-decay-iters", int, 1), ("--min-lr", float, 0.0),
 )
 _MANAGED = ("--save", "--load", "--ckpt-step", "--save-interval", "--exit-interval")
 _OWN_MINIMUM = (("nproc_per_node", 1), ("data_max_bytes", 1), ("resume_check_steps", 1), ("baseline_steps", 1))
@@ -88,6 +88,9 @@ def _check_numbers(values: argparse.Namespace, own: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value}: a dropout probability must be in [0, 1)")
     if values.train_samples is not None:
         raise ValueError("--train-samples: the main job counts steps; give --train-iters instead")
+    if values.min_lr > values.lr:
+        raise ValueError(f"--lr {values.lr} is below --min-lr {values.min_lr} (the main job's default is 2e-4); "
+                         f"give --min-lr {values.lr / 10:g} or lower")
     decay = values.lr_decay_iters or values.train_iters  # Megatron decays over --train-iters by default
     if values.lr_warmup_iters >= decay:
         over = f"--lr-decay-iters {decay}" if values.lr_decay_iters else f"--train-iters {decay}"
