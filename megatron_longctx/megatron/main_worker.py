@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_longctx.memory.accounting import rss_bytes
+from megatron_longctx.memory.accounting import peak_rss_bytes
 
 JOB_ENV = "LONGCTX_JOB"
 
@@ -53,7 +53,6 @@ class StepLog:
         self.total = settings.get("total_steps")
         self.bar: Any = None
         self.started = False
-        self.base_rss = rss_bytes()
 
     def _rank0(self) -> bool:
         return dist.get_rank() == 0
@@ -73,8 +72,8 @@ class StepLog:
         if torch.cuda.is_available():
             local = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        else:
-            local = rss_bytes() - self.base_rss
+        else:  # the step's peak resident memory, the process's own included (as the peak RSS is counted)
+            local = peak_rss_bytes(reset=True)
         t = torch.zeros(dist.get_world_size(), dtype=torch.int64,
                         device="cuda" if torch.cuda.is_available() else "cpu")
         t[dist.get_rank()] = local  # [world], one slot per rank

@@ -69,3 +69,14 @@ def _features_lower_resident_bytes():
 
 def test_features_lower_resident_saved_bytes():
     run_ranks(2, _features_lower_resident_bytes)
+
+
+def test_peak_rss_is_the_high_water_mark_and_resets():
+    from megatron_longctx.memory.accounting import peak_rss_bytes, rss_bytes
+
+    peak_rss_bytes(reset=True)
+    held = bytearray(300 << 20)  # touched: resident
+    del held
+    peak = peak_rss_bytes(reset=True)
+    assert peak >= rss_bytes() + (250 << 20), peak  # the 300 MiB are gone, the peak still holds them
+    assert peak_rss_bytes() < peak - (250 << 20)  # a new window starts from what is resident now
