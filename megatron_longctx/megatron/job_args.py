@@ -16,6 +16,8 @@ import dataclasses
 import os
 from typing import Any, Optional
 
+from megatron_longctx.megatron.args import check_window
+
 CPU_TIMEOUT_MINUTES = 2  # rendezvous, dataset index build and the first step
 CPU_TIMEOUT_AFTER_INIT_S = 60  # any later collective: a stuck rank fails the job within this
 
@@ -52,7 +54,7 @@ def _reader() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag, kind, _ in _NUMERIC:
         p.add_argument(flag, type=kind, default=None)
-    for flag in ("--save", "--load", "--exit-interval", "--train-samples", "--cp-comm-type"):
+    for flag in ("--save", "--load", "--exit-interval", "--train-samples", "--cp-comm-type", "--window-size"):
         p.add_argument(flag, default=None, nargs="+" if flag == "--cp-comm-type" else None)
     p.add_argument("--group-query-attention", action="store_true")
     p.set_defaults(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)  # Megatron's defaults
@@ -110,6 +112,7 @@ def _check_layout(v: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--context-parallel-size {v.context_parallel_size} x --tensor-model-parallel-size "
                          f"{v.tensor_model_parallel_size} x --pipeline-model-parallel-size "
                          f"{v.pipeline_model_parallel_size} must divide the {world} ranks (--nproc-per-node)")
+    check_window(v.window_size, v.seq_length)
     cp = v.context_parallel_size
     if cp > 1 and v.seq_length % (2 * cp):
         raise ValueError(f"--seq-length {v.seq_length} must be a multiple of 2 x --context-parallel-size "

@@ -114,6 +114,8 @@ def test_attention_sinks_match_baseline_megatron(job, tmp_path):
     (["--attention-dropout", "0.1"], "set --attention-dropout 0"),  # a flag run takes (Megatron's)
     (["--train-iters", "4", "--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --train-iters 4"),
     (["--lr", "1e-4"], "--lr 0.0001 is below --min-lr 0.0002"),
+    (["--window-size", "64,2"], "--window-size 64,2: the model's attention is causal"),
+    (["--window-size", "256,0"], "--window-size 256,0: the left side covers the whole --seq-length 256"),
     (["--lr-decay-iters", "2"], "--lr-warmup-iters 2 must be below --lr-decay-iters 2"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(tmp_path, capsys, flags, named):
