@@ -89,5 +89,6 @@ class HostPool:
         with self._lock:
             self._free.clear()
             self.cached = 0
-        if self.pin:
-            torch._C._host_emptyCache()
+        empty_cache = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.14
+        if self.pin and empty_cache is not None:
+            empty_cache()

@@ -282,7 +282,7 @@ def test_a_pinned_pool_empties_torchs_host_cache_only_when_cleared(monkeypatch):
     """Eviction mid-forward leaves torch's cached pinned blocks alone (emptying them syncs the device and
     drops every other owner's blocks); :meth:`HostPool.clear` gives them back."""
     emptied = []
-    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1), raising=False)  # torch < 2.14 has none
 
     class Pinned(HostPool):
         def _new(self, nbytes):  # a CPU stand-in for a pinned block
