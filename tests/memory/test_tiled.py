@@ -122,9 +122,10 @@ def test_tiled_loss_backward_in_forward_any_incoming_gradient():
     loss = tiled_logits_loss(x, w, labels, None, 4)
     (loss * (mask / mask.sum()).float()).sum().backward()
     exact = _float64_oracle(hidden, weight, labels, mask / mask.sum())
-    torch.testing.assert_close(loss.double(), exact[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x.grad.double(), exact[1]["hidden"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(w.grad.double(), exact[1]["weight"], rtol=1e-5, atol=1e-6)
+    # measured: loss 7.4e-7 (loss <= 10.9), d hidden 2.2e-8 (<= 0.19), d weight 4.1e-8 (<= 0.24)
+    torch.testing.assert_close(loss.double(), exact[0], rtol=0, atol=2.2e-6)
+    torch.testing.assert_close(x.grad.double(), exact[1]["hidden"], rtol=0, atol=6.5e-8)
+    torch.testing.assert_close(w.grad.double(), exact[1]["weight"], rtol=0, atol=1.2e-7)
 
 
 def _tile_inputs(seed):
@@ -228,15 +229,16 @@ def test_tiled_loss_recompute_accumulates_into_megatron_main_grad():
     # float32 accumulator of the loss's own would be one more [V, h]
     assert backward_peak <= s * b * h * 4 + vocab * h * 4 + tile + vocab * h * 2, backward_peak
     assert w.grad_added_to_main_grad is True
-    torch.testing.assert_close(w.main_grad.double() - earlier.double(), exact[1]["weight"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad.double(), exact[1]["hidden"], rtol=1e-5, atol=1e-6)
+    # measured: d W 7.5e-7 (<= 2.9, added to main_grad in float32), d hidden 7.3e-7 (<= 0.56)
+    torch.testing.assert_close(w.main_grad.double() - earlier.double(), exact[1]["weight"], rtol=0, atol=2.2e-6)
+    torch.testing.assert_close(x.grad.double(), exact[1]["hidden"], rtol=0, atol=2.2e-6)
     # without the flag Megatron's hook adds the returned gradient: it is returned, main_grad untouched
     w2 = torch.nn.Parameter(weight.float())
     w2.main_grad = earlier.clone()
     tiled_logits_loss(hidden.float(), w2, labels, None, 3, recompute=True, into_main_grad=True).sum().backward()
     torch.testing.assert_close(w2.main_grad, earlier)
     exact = _float64_oracle(hidden.float().double(), weight.float().double(), labels, torch.ones(b, s, dtype=torch.float64))
-    torch.testing.assert_close(w2.grad.double(), exact[1]["weight"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w2.grad.double(), exact[1]["weight"], rtol=0, atol=2.7e-6)  # measured 9.0e-7
 
 
 def test_tiled_loss_in_bf16_holds_a_float32_tile_and_its_bf16_copy():
