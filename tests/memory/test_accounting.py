@@ -29,8 +29,11 @@ def test_peak_memory_sees_an_allocation():
         big = torch.ones(64, 1024, 1024, dtype=torch.uint8)  # 64 MiB, touched
         big += 1
         del big
-    assert peak.peak_bytes >= peak.start_bytes
-    assert peak.added_bytes >= 32 << 20
+    # the sampler may miss the very top; the start is the RSS before the block (~500 MiB here), not 0
+    assert 32 << 20 <= peak.added_bytes <= 96 << 20, peak.added_bytes
+    with PeakMemory(torch.device("cpu")) as idle:
+        pass
+    assert idle.added_bytes < 8 << 20, idle.added_bytes  # measured 4 KiB
 
 
 def _features_lower_resident_bytes():
