@@ -147,7 +147,7 @@ def test_hybrid_stack_spec():
 
 
 def test_mamba_stack_spec():
-    mamba = _import_or_skip("megatron.core.models.mamba.mamba_layer_specs", ("mamba_ssm", "causal_conv1d"))
+    mamba = _import_or_skip("megatron.core.models.mamba.mamba_layer_specs", ("mamba_ssm", "causal_conv1d", "triton"))
     _check(mamba.mamba_stack_spec, count_attention(mamba.mamba_stack_spec))
 
 
