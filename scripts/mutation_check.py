@@ -99,6 +99,16 @@ MUTATIONS = [
              "    lo, hi, s_q, s_k = piece.band_lo, piece.band_hi, piece.s_q, piece.s_k\n"
              "    return [(0, s_k, _Part.MASKED)]\n",
              ("tests/kernels/test_cpu_flash.py",), "every block, causal and full too, through a dense additive mask"),
+    Mutation("window-served-whole", "megatron_longctx/kernels/driver.py",
+             "    if live.band_lo is None or live.band_hi is None:\n        return None\n",
+             "    return None\n",
+             ("tests/attention/test_cp_memory.py", "-k", "window"),
+             "a sliding window's block served as one masked piece (quadratic), not as row tiles of the band"),
+    Mutation("varlen-one-call-per-block", "megatron_longctx/kernels/varlen.py",
+             "    many = getattr(backend, \"forward_blocks\", None)\n",
+             "    many = None\n",
+             ("tests/kernels/test_varlen.py", "-k", "packed_ring"),
+             "a packed ring step's blocks sent to the backend one call each, not as variable-length calls"),
 ]
 
 
