@@ -2,6 +2,7 @@
 
     megatron-longctx run   [args]   the main job: long-context GPT training on Megatron-Core with CP
     megatron-longctx bench [args]   regression benchmark of the plugin against baseline Megatron
+    megatron-longctx bench --scaling [args]   scaling benchmark: step time and memory from 16K to 1M tokens
     megatron-longctx plan  [args]   memory/time planner: which configuration fits, and the flags for it
 
 Each sub-command's ``--help`` lists its own options.
@@ -14,7 +15,8 @@ import sys
 
 COMMANDS = {
     "run": ("megatron_longctx.megatron.pretrain", "the main job: long-context GPT training with context parallelism"),
-    "bench": ("megatron_longctx.bench.regression", "regression benchmark against baseline Megatron"),
+    "bench": ("megatron_longctx.bench.regression",
+              "regression benchmark against baseline Megatron (--scaling: step time and memory vs length)"),
     "plan": ("megatron_longctx.plan.cli", "plan memory, time and flags for a long-context run"),
 }
 
@@ -34,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"megatron-longctx: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module_name = COMMANDS[name][0]
+    if name == "bench" and "--scaling" in rest:  # its own benchmark, with its own flags
+        module_name, rest = "megatron_longctx.bench.scaling", [a for a in rest if a != "--scaling"]
+    module = importlib.import_module(module_name)
     return int(module.main(rest) or 0)
 
 

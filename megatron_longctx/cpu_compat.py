@@ -10,8 +10,9 @@ Each is listed in :data:`_PATCHES` / :func:`_patches` with the reason:
 * ``get_pos_emb_on_this_cp_rank`` (RoPE under CP > 1) pins memory and calls ``.cuda()``;
 * ``torch.cuda.synchronize()`` after batched pipeline sends (``batch_p2p_sync``) and
   ``torch.cuda.current_stream()`` waits in DDP's grad sync: nothing to wait for on the CPU;
-* ``get_default_causal_mask``, the token counters of ``pipeline_parallel/schedules.py`` and the
-  optimizer's flags and grad-norm buffers allocate with ``device="cuda"``.
+* ``get_default_causal_mask``, ``get_sliding_window_causal_mask``, the token counters of
+  ``pipeline_parallel/schedules.py`` and the optimizer's flags and grad-norm buffers allocate with
+  ``device="cuda"``.
 
 :func:`enabled` redirects exactly these to the CPU for the duration of a ``with`` block: the current
 device is ``cpu``; the CUDA RNG functions act on the CPU generator (the one dropout on CPU tensors
@@ -156,6 +157,7 @@ _HARD_CODED_CUDA_MODULES = (
     "megatron.core.optimizer.optimizer",  # found_inf / loss-scale / overflow flags
     "megatron.core.optimizer.clip_grads",  # grad-norm and zero-count accumulators
     "megatron.core.utils",  # small flags and buffers of the helpers above
+    "megatron.core.transformer.utils",  # get_sliding_window_causal_mask (Megatron's attention, --window-size)
 )
 # The same in Megatron-LM's training stack.
 _HARD_CODED_CUDA_TRAINING_MODULES = (

@@ -8,6 +8,8 @@
 * :func:`spawn_ranks`: ``fn(*args)`` on ``world`` freshly spawned processes joined by a gloo group; the
   return values in rank order, or :class:`RankFailed` as soon as one rank raises or dies (the others are
   killed; a dead rank is never waited on until the timeout).
+* :func:`run_measured`: a command (a ``torchrun`` job, a script) to its end with the peak resident memory
+  of its largest process, each process's sampled peak, and an optional limit on any process's memory.
 
 This module is a leaf: it imports nothing from the rest of the package, and torch only inside a rank.
 """
@@ -15,6 +17,7 @@ This module is a leaf: it imports nothing from the rest of the package, and torc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -22,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -75,9 +79,9 @@ def _children_map() -> dict[int, list[int]]:
     return children
 
 
-def descendants(pid: int) -> set[int]:
-    """Live descendants of ``pid``, whatever session they run in."""
-    children, out, todo = _children_map(), set(), [pid]
+def descendants(pid: int, children: dict[int, list[int]] | None = None) -> set[int]:
+    """Live descendants of ``pid``, whatever session they run in (``children``: a map read before)."""
+    children, out, todo = _children_map() if children is None else children, set(), [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             out.add(child)
@@ -181,6 +185,118 @@ def torchrun(module: str, argv: Sequence[str], nproc: int, timeout: float | None
             proc.stdout.close()
     output = b"".join(chunks).decode(errors="replace")
     return (128 - rc if rc < 0 else rc), output
+
+
+# ------------------------------------------------------------------------------- measured commands
+MEASURE_POLL_S = 0.25  # how often :func:`run_measured` samples the job's processes (VmHWM keeps each peak between)
+
+
+@dataclasses.dataclass
+class Measured:
+    """What :func:`run_measured` saw of a command.
+
+    ``peak_rss_bytes``: the largest of ``process_peaks``. Each is the kernel's high-water mark (``VmHWM``)
+    read at the last sample before the process ended, so only growth in its last :data:`MEASURE_POLL_S`
+    can escape it. (``wait4``'s ``ru_maxrss`` cannot stand in: a child's count starts from the size of
+    the process it was forked from, so a command started by a large process reports that process's size.)
+    ``process_peaks``: each process's peak (``VmHWM``) as last sampled, by pid, the command's own first;
+    ``child_pids``: the command's direct children seen (a torchrun job's ranks).
+    """
+
+    returncode: int
+    output: str
+    wall_s: float
+    peak_rss_bytes: int
+    process_peaks: dict[int, int]
+    child_pids: list[int] = dataclasses.field(default_factory=list)
+    timed_out: bool = False  # ran past its timeout (killed; exit code :data:`TIMEOUT_RC`)
+    over_memory: bool = False  # a process's resident memory passed the limit (killed)
+
+
+def _memory_kib(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of ``pid`` in KiB; (0, 0) when it is gone."""
+    rss = hwm = 0
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1])
+    return rss, hwm
+
+
+def _started(pid: int) -> str:
+    """The start time of ``pid`` (field 22 of ``/proc/<pid>/stat``), ``""`` when it is gone."""
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+    return ""
+
+
+def run_measured(command: Sequence[str], cwd: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+                 timeout: float | None = None, rss_limit_bytes: int | None = None) -> Measured:
+    """Run ``command`` to its end (stdout and stderr together) and measure its memory.
+
+    Every :data:`MEASURE_POLL_S` the command's process tree is sampled; past ``timeout`` seconds, or as soon
+    as one process's resident memory passes ``rss_limit_bytes``, the command and every descendant are
+    killed (torchrun puts its ranks in sessions of their own: they are killed by pid).
+    """
+    start = time.monotonic()
+    peaks: dict[int, int] = {}
+    children: set[int] = set()
+    stop = threading.Event()
+    why: list[str] = []
+
+    def sample() -> None:
+        known: dict[int, str] = {}  # pid -> its start time: a pid the system reused is not ours
+
+        def ours() -> set[int]:
+            return {pid for pid, started in known.items() if alive(pid) and _started(pid) == started}
+
+        def kill_all() -> None:
+            for _ in range(2):  # a rank forked while the first round was sent
+                known.update({pid: _started(pid) for pid in descendants(proc.pid)})
+                _signal_all(ours(), signal.SIGKILL)
+
+        while True:  # the first sample at once: a short command is seen too
+            tree = _children_map()
+            children.update(tree.get(proc.pid, []))
+            for pid in {proc.pid} | descendants(proc.pid, tree):
+                known.setdefault(pid, _started(pid))
+            for pid in ours():
+                rss, hwm = _memory_kib(pid)
+                if hwm:
+                    peaks[pid] = max(peaks.get(pid, 0), hwm * 1024)
+                if rss_limit_bytes is not None and rss * 1024 > rss_limit_bytes and not why:
+                    why.append("memory")
+            if timeout is not None and time.monotonic() - start > timeout and not why:
+                why.append("timeout")
+            if why:
+                kill_all()
+            if stop.wait(MEASURE_POLL_S):
+                break
+        known.pop(proc.pid, None)  # reaped below; what is left are ranks outliving their torchrun
+        _signal_all(ours(), signal.SIGKILL)
+
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(list(command), cwd=cwd, env=None if env is None else dict(env), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            _, status = os.waitpid(proc.pid, 0)
+        finally:
+            stop.set()
+            sampler.join()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        output = out.read().decode(errors="replace")
+    wall = time.monotonic() - start
+    ordered = {proc.pid: peaks.pop(proc.pid, 0), **peaks}
+    peak = max(ordered.values())
+    rc = TIMEOUT_RC if why == ["timeout"] else proc.returncode
+    rc = 128 - rc if rc < 0 else rc
+    return Measured(rc, output, wall, peak, ordered, sorted(children), timed_out=why == ["timeout"],
+                    over_memory=why == ["memory"])
 
 
 # ------------------------------------------------------------------------------------- spawned ranks

@@ -20,6 +20,10 @@ Sections (each with its own time budget; an error in one is recorded and the nex
   host one tile at a time: float32 loss and gradients against plain full recompute, the offloader's row
   reads, and one step's peak memory of plain full recompute, the tiled replay, and the tiled replay with
   the offload;
+* ``fused_replay`` — one layer under Megatron's DDP with ``gradient_accumulation_fusion`` (``main_grad``):
+  the tiled replay's ``main_grad`` against plain full recompute's;
+* ``residual_grad`` — the residual-gradient offload against the same tiled replay without it: gradients,
+  rows streamed, peak, and the share of the copy time hidden behind compute;
 * ``max_seq`` — a numerics check of every memory feature against none, then the longest sequence one GPU
   trains for a Llama-3-8B-shaped stack of two layers with every feature on.
 
@@ -51,6 +55,7 @@ from gpu_check_attention import section_kernels, section_ring, section_windows  
 from gpu_check_common import CPU_SIZES, GPU_SIZES, Budget, Sizes, Skip, _time  # noqa: E402
 from gpu_check_gpt import section_gpt_step  # noqa: E402
 from gpu_check_memory import section_max_seq, section_offload, section_tiled_replay  # noqa: E402
+from gpu_check_replay import section_fused_replay, section_residual_grad  # noqa: E402
 
 SCHEMA = "gpu_check/2"
 
@@ -102,14 +107,16 @@ def section_offload_one_connection(device: torch.device, sizes: Sizes, budget: B
 
 SECTIONS: dict[str, tuple[Callable, float]] = {
     "environment": (section_environment, 20),
-    "kernels": (section_kernels, 60),
-    "ring": (section_ring, 60),
+    "kernels": (section_kernels, 55),
+    "ring": (section_ring, 55),
     "windows": (section_windows, 30),
-    "offload": (section_offload, 50),
+    "offload": (section_offload, 45),
     "offload_one_connection": (section_offload_one_connection, 45),
     "gpt_step": (section_gpt_step, 30),
     "tiled_replay": (section_tiled_replay, 30),
-    "max_seq": (section_max_seq, 150),
+    "fused_replay": (section_fused_replay, 15),
+    "residual_grad": (section_residual_grad, 25),
+    "max_seq": (section_max_seq, 125),
 }
 
 
@@ -166,6 +173,15 @@ def _summary(name: str, r: dict) -> str:
         where = ("peak full/tiled/+offload " + "/".join(f"{p:.2f}" for p in peaks) + " GiB"
                  if None not in peaks else "no peak (CPU)")
         return f"float32 rel err {r['numerics_rel_err']:.1e}; {where}; {len(r['problems'])} problems"
+    if name == "fused_replay":
+        return (f"main_grad max rel err {r['grad_max_rel_err']:.1e} vs full recompute ({r['kernel']}, "
+                f"{r['fused_linears']} fused linears)")
+    if name == "residual_grad":
+        hidden = r.get("hidden_share")
+        return (f"grads rel err {r['grad_max_rel_err']:.1e}; {r['streamed_bytes_per_step'] / 2**20:.0f} MiB streamed"
+                + (f", peak {r['dense_step_peak_gib']:.2f} -> {r['streamed_step_peak_gib']:.2f} GiB, time "
+                   f"{r['dense_s']:.2f} -> {r['streamed_s']:.2f} s, copy hidden {hidden:.0%}" if hidden is not None
+                   else f"; {r.get('note', '')}"))
     if name == "windows":
         return "; ".join(
             f"{b}: {e['status']}" + (f" (err {max(e['max_rel_err'].values()):.1e}, us/token x{e['us_per_token_growth']:.2f},"

@@ -2,8 +2,9 @@
 # One prepared accelerator run (at most 8 minutes on one H200) of the checks the CPU suite cannot make.
 #   scripts/gpu_check.sh [OUT_JSON] [extra args for scripts/gpu_check.py, e.g. --allow-cpu, --sections ...]
 #
-# Needs python3 + torch with CUDA.  megatron-core (offload, gpt_step, tiled_replay, max_seq sections) may be
-# absent: wheels in <repo>/.whl/ are installed into /tmp/longctx-site first when megatron.core does not import.
+# Needs python3 + torch with CUDA.  megatron-core (offload, gpt_step, tiled_replay, fused_replay, residual_grad,
+# max_seq sections) may be absent: wheels in <repo>/.whl/ are installed into /tmp/longctx-site first when
+# megatron.core does not import.
 #
 # The device machine (torch 2.11 + CUDA 13, Python 3.12, no megatron-core; flash-attn and Transformer
 # Engine absent, so sdpa_cuda is the backend proven there).  Once, here, in the repo root:

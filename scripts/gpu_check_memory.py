@@ -96,23 +96,39 @@ _FEATURES = dict(recompute_granularity="full", offload_policy="checkpoint", tile
                  cp_algorithm="ring")
 
 
-def _try_seq(seq: int, device: torch.device, shape: dict, features: dict) -> dict:
+class _OutOfTime(Exception):
+    """A trial passed the section's deadline (checked at every layer's forward and before backward)."""
+
+
+def _try_seq(seq: int, device: torch.device, shape: dict, features: dict, deadline: float = float("inf")) -> dict:
     from megatron_longctx.memory import install
+
+    def in_time(*_: Any) -> None:
+        if time.monotonic() > deadline:
+            raise _OutOfTime()
 
     model = handle = None
     try:
         model, lc = build_gpt(shape, seq, dtype_for(device), features)
         model = model.to(device)
         handle = install(model, lc.memory)
+        for layer in model.modules():
+            if type(layer).__name__ == "TransformerLayer":
+                layer.register_forward_pre_hook(in_time)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         tokens, pos = batch(shape, seq, device)
         t0 = time.perf_counter()
         loss = model(tokens, pos, None, labels=tokens)
+        _sync(device)
+        if time.monotonic() + 2 * (time.perf_counter() - t0) > deadline:  # backward: about two forwards
+            raise _OutOfTime()
         loss.float().mean().backward()
         _sync(device)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         return {"seq": seq, "ok": True, "seconds": time.perf_counter() - t0, "peak_gib": peak}
+    except _OutOfTime:
+        return {"seq": seq, "ok": False, "out_of_time": True}
     except torch.OutOfMemoryError as exc:
         return {"seq": seq, "ok": False, "oom": True, "error": str(exc).splitlines()[0]}
     except RuntimeError as exc:  # pinned host memory or a CUDA allocation refused outside the caching allocator
@@ -159,6 +175,8 @@ def section_max_seq(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
     good, bad = 0, None
     seq, last_s = sizes.seq_start, 0.0
     dropped: dict[str, str] = {}
+    deadline = time.monotonic() + budget.left()
+    out_of_time = False
     with single_rank_megatron(device):
         while True:  # a feature this Megatron's spec cannot take is dropped (and reported), not fatal
             try:
@@ -173,8 +191,11 @@ def section_max_seq(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
         while bad is None and seq <= sizes.seq_cap:  # grow by doubling
             if last_s and budget.left() < last_s * 4.5:  # attention time grows with s²
                 break
-            trial = _try_seq(seq, device, sizes.stack, features)
+            trial = _try_seq(seq, device, sizes.stack, features, deadline)
             trials.append(trial)
+            out_of_time = trial.get("out_of_time", False)
+            if out_of_time:
+                break
             if trial["ok"]:
                 good, last_s, seq = seq, trial["seconds"], seq * 2
             else:
@@ -183,13 +204,17 @@ def section_max_seq(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
             mid = (good + bad) // 2 // sizes.seq_granularity * sizes.seq_granularity
             if mid <= good or budget.left() < last_s * 2.5:
                 break
-            trial = _try_seq(mid, device, sizes.stack, features)
+            trial = _try_seq(mid, device, sizes.stack, features, deadline)
             trials.append(trial)
+            if trial.get("out_of_time"):
+                out_of_time = True
+                break
             if trial["ok"]:
                 good, last_s = mid, trial["seconds"]
             else:
                 bad = mid
-    stopped = "oom bracket resolved" if bad is not None else ("cap" if seq > sizes.seq_cap else "time budget")
+    stopped = ("time budget (inside a trial)" if out_of_time else "oom bracket resolved" if bad is not None
+               else "cap" if seq > sizes.seq_cap else "time budget")
     numerics_ok = (numerics["loss_rel_err"] <= numerics["tolerance"]
                    and numerics["grad_max_rel_err"] <= numerics["tolerance"] and not numerics["grad_keys_differ"])
     return {"shape": sizes.stack, "features": features, "dropped_features": dropped, "numerics": numerics,

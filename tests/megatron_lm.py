@@ -1,37 +1,33 @@
 """Megatron-LM's unmodified training scripts as test fixtures: find them, copy them, run them.
 
-The scripts (``pretrain_gpt.py`` and the two neighbours it imports) are not part of this project: they
-are looked up in ``$MEGATRON_LM_DIR`` first (a folder holding ``<ref>/pretrain_gpt.py``, or
-``pretrain_gpt.py`` itself for the default ref), then in ``../shared/megatron-lm/<ref>`` beside the
-project root.  :func:`require_scripts` skips the test with that reason when neither exists, and
-:func:`require_training` when the installed megatron-core has no ``megatron.training`` (the 0.16.1
-wheel has none).  :func:`copy_scripts` copies them into a test's temporary folder (which has no
-``megatron/`` folder, so the installed megatron-core is what gets imported), and :func:`run_script`
-runs one through ``torchrun`` and :mod:`megatron_longctx.launch`, reading the full-precision losses the
-launcher writes to ``$LONGCTX_LOSS_LOG``.
+Finding, copying and running them is :mod:`megatron_longctx.megatron.lm_scripts` (``$MEGATRON_LM_DIR``,
+then ``../shared/megatron-lm/<ref>`` beside the project root).  :func:`require_scripts` skips the test
+with that reason when neither exists, and :func:`require_training` when the installed megatron-core has no
+``megatron.training`` (the 0.16.1 wheel has none).  :func:`copy_scripts` copies them into a test's
+temporary folder (which has no ``megatron/`` folder, so the installed megatron-core is what gets
+imported), and :func:`run_script` runs one through ``torchrun`` and :mod:`megatron_longctx.launch`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-REF_019 = "core_r0.19.0"
-REF_016 = "core_v0.16.1"
-SCRIPT_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
+from megatron_longctx.megatron import lm_scripts
+from megatron_longctx.megatron.lm_scripts import (  # noqa: F401 - re-exported for the tests
+    LAUNCHER,
+    REF_016,
+    REF_019,
+    SCRIPT_FILES,
+    ScriptRun,
+    scripts_dir,
+)
+
+REPO = lm_scripts.PROJECT_ROOT
 TIMEOUT_S = int(os.environ.get("LONGCTX_TEST_TIMEOUT", "600"))
 
 # The smallest GPT that exercises every layer type: 2 layers, hidden 64, 4 heads, 256 tokens.
@@ -46,26 +42,10 @@ TINY_GPT = (
 )
 
 
-def scripts_dir(ref: str = REF_019) -> Optional[Path]:
-    """The folder holding Megatron-LM's ``pretrain_gpt.py`` of ``ref``, or ``None``."""
-    candidates = []
-    env = os.environ.get("MEGATRON_LM_DIR")
-    if env:
-        candidates.append(Path(env) / ref)
-        if ref == REF_019:
-            candidates.append(Path(env))
-    candidates.append(REPO.parent / "shared" / "megatron-lm" / ref)
-    for folder in candidates:
-        if all((folder / name).is_file() for name in SCRIPT_FILES):
-            return folder
-    return None
-
-
 def require_scripts(ref: str = REF_019) -> Path:
     folder = scripts_dir(ref)
     if folder is None:
-        pytest.skip(f"Megatron-LM's {ref} scripts not found: set MEGATRON_LM_DIR or provide "
-                    f"{REPO.parent / 'shared' / 'megatron-lm' / ref}/pretrain_gpt.py")
+        pytest.skip(lm_scripts.missing_scripts_message(ref))
     return folder
 
 
@@ -84,78 +64,18 @@ def require_training() -> None:
 
 
 def copy_scripts(dst: Path, ref: str = REF_019) -> Path:
-    """Copy the scripts of ``ref`` into ``dst`` (created); return ``dst / 'pretrain_gpt.py'``."""
-    src = require_scripts(ref)
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in SCRIPT_FILES:
-        shutil.copy(src / name, dst / name)
-    return dst / "pretrain_gpt.py"
-
-
-@dataclasses.dataclass
-class ScriptRun:
-    """One run of a script: exit status, output, the launcher's full-precision losses, wall time, and the
-    largest peak resident set size of the job's processes (torchrun and every rank)."""
-
-    returncode: int
-    output: str
-    losses: list[dict]
-    wall_s: float
-    peak_rss_bytes: int = 0
-
-    def lm_losses(self) -> list[float]:
-        return [row["lm loss"] for row in self.losses]
-
-    def check(self) -> "ScriptRun":
-        assert self.returncode == 0, self.output[-4000:]
-        return self
-
-
-LAUNCHER = ("-m", "megatron_longctx.launch")
+    """Copy the scripts of ``ref`` into ``dst`` (created); return ``dst / 'pretrain_gpt.py'`` (skip if absent)."""
+    require_scripts(ref)
+    return lm_scripts.copy_scripts(dst, ref)
 
 
 def run_script(script: Path, args: Sequence[str], nproc: int = 2, launcher: Sequence[str] = LAUNCHER,
                env: Optional[dict] = None, timeout: int = TIMEOUT_S) -> ScriptRun:
-    """``torchrun --nproc-per-node nproc <launcher> script args`` from the script's folder (``nproc=0``: no
-    torchrun, one plain process; ``launcher=()``: the script itself)."""
-    loss_log = script.parent / f"losses-{time.monotonic_ns()}.jsonl"
-    run_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   LONGCTX_LOSS_LOG=str(loss_log), **(env or {}))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command = ([sys.executable] if nproc == 0 else torchrun) + list(launcher) + [str(script), *args]
-    start = time.monotonic()
-    returncode, output, peak = _run_reaped(command, script.parent, run_env, timeout)
-    wall = time.monotonic() - start
-    losses = [json.loads(line) for line in loss_log.read_text().splitlines()] if loss_log.exists() else []
-    return ScriptRun(returncode, output, losses, wall, peak)
-
-
-def _run_reaped(command: list[str], cwd: Path, env: dict, timeout: int) -> tuple[int, str, int]:
-    """Run ``command`` to its end: (exit code, stdout + stderr, peak RSS in bytes of it and its descendants).
-
-    ``wait4`` reports the child's ``ru_maxrss`` folded with those of the descendants it reaped (torchrun
-    reaps its ranks).  Past ``timeout`` the whole process group is killed and ``TimeoutExpired`` raised.
-    """
-    expired = threading.Event()
-
-    def kill() -> None:
-        expired.set()
-        os.killpg(proc.pid, signal.SIGKILL)
-
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        timer = threading.Timer(timeout, kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        output = out.read().decode(errors="replace")
-    if expired.is_set():
-        raise subprocess.TimeoutExpired(command, timeout, output)
-    return proc.returncode, output, usage.ru_maxrss * 1024  # Linux reports KiB
+    """:func:`megatron_longctx.megatron.lm_scripts.run_script`; ``TimeoutExpired`` past ``timeout``."""
+    run = lm_scripts.run_script(script, args, nproc, launcher, env, timeout)
+    if run.timed_out:
+        raise subprocess.TimeoutExpired([str(script), *args], timeout, run.output)
+    return run
 
 
 def assert_same_losses(actual: Sequence[float], expected: Sequence[float], rtol: float = 1e-5) -> None:

@@ -38,6 +38,18 @@ def test_enabled_is_scoped_and_restores():
         torch.zeros(1, device="cuda")
 
 
+def test_sliding_window_mask_of_megatron_s_own_attention_is_built_on_the_cpu():
+    if not cpu_compat.needed():
+        pytest.skip("CUDA is available: cpu_compat is a no-op here")
+    from megatron.core.transformer import utils as transformer_utils
+
+    with cpu_compat.enabled():
+        mask = transformer_utils.get_sliding_window_causal_mask(4, 4, (1, 0))  # True = masked
+    rows, cols = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    assert mask.device.type == "cpu"
+    assert torch.equal(mask, (cols > rows) | (cols < rows - 1))  # each query sees itself and 1 key back
+
+
 def _tiny_gpt_grads(recompute: bool, seed: int):
     """Loss and parameter gradients of a 2-layer GPT with dropout, TP=2, on the CPU."""
     from megatron.core.models.gpt import GPTModel

@@ -167,3 +167,54 @@ def test_torchrun_watch_ends_the_job(tmp_path):
 
     rc, _ = procs.torchrun("sleeps", [], 1, 600, env, watch=watch)
     assert rc != 0 and time.monotonic() - start < 60 and calls
+
+
+# A parent holding ``argv[1]`` MiB (touched, so resident) that starts a child in a session of its own (as
+# torchrun starts its ranks) holding ``argv[2]`` MiB, prints the child's pid, then both sleep ``argv[3]`` s.
+_HOLDER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    mib, child_mib, sleep = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    hold = bytearray(mib << 20)
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(%d << 20); "
+                              "time.sleep(%f)" % (child_mib, sleep)], start_new_session=True)
+    print("child pid", child.pid, flush=True)
+    time.sleep(sleep)
+    child.wait()
+""")
+
+
+def _child_pid(output):
+    return int(next(line.split()[-1] for line in output.splitlines() if line.startswith("child pid")))
+
+
+def test_run_measured_reports_the_largest_peak_and_each_child():
+    m = procs.run_measured([sys.executable, "-c", _HOLDER, "200", "100", "1.5"])
+    assert m.returncode == 0 and not m.timed_out and not m.over_memory, m.output
+    assert 200 << 20 <= m.peak_rss_bytes < 400 << 20  # the parent's 200 MiB, not parent + child
+    assert m.child_pids == [_child_pid(m.output)]
+    assert m.process_peaks[m.child_pids[0]] >= 100 << 20  # sampled while it slept
+
+
+def test_run_measured_is_not_charged_for_the_process_that_started_it():
+    held = bytearray(600 << 20)  # the caller is large (a long pytest session); the command is not
+    m = procs.run_measured([sys.executable, "-c", "import time; b = bytearray(50 << 20); time.sleep(0.6)"])
+    assert m.returncode == 0, m.output
+    assert 50 << 20 <= m.peak_rss_bytes < 300 << 20, (m.peak_rss_bytes, len(held))
+
+
+@pytest.mark.parametrize("limit", ["timeout", "memory"])
+def test_run_measured_kills_the_whole_tree_past_a_limit(limit):
+    start = time.monotonic()
+    if limit == "timeout":  # the timeout leaves the (slow, shared) machine time to start both processes first
+        m = procs.run_measured([sys.executable, "-c", _HOLDER, "100", "50", "60"], timeout=8.0)
+    else:  # the child, in a session of its own, passes the limit: its parent goes too
+        m = procs.run_measured([sys.executable, "-c", _HOLDER, "50", "300", "60"], rss_limit_bytes=150 << 20)
+    assert time.monotonic() - start < 30
+    assert (m.timed_out, m.over_memory) == (limit == "timeout", limit == "memory")
+    assert m.returncode == (procs.TIMEOUT_RC if limit == "timeout" else 128 + 9)
+    assert m.peak_rss_bytes >= (100 << 20 if limit == "timeout" else 150 << 20)
+    child = _child_pid(m.output)
+    deadline = time.monotonic() + 10
+    while procs.alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not procs.alive(child)  # in a session of its own, yet gone with its parent

@@ -40,6 +40,7 @@ from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .ring import RingAttention
 from .schedule import ring_schedule
 from .segments import attend_local_backward
+from .sinks import heads_of, sink_grad
 
 # The local attention's backward runs over at most this many head pieces (see :func:`head_pieces`).
 MAX_HEAD_PIECES = 4
@@ -227,12 +228,13 @@ class HeadsAttention(RingAttention):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         dout, calls = dout.contiguous(), ctx.schedule.calls[0][0]
         scale, backend = ctx.args.softmax_scale, ctx.args.backend
+        dsink = sink_grad(dout, out, lse, sink) if any(ctx.needs_input_grad[6:]) else None
         pieces = head_pieces(q.shape[2], k.shape[2])
         if len(pieces) == 1:
-            return (*attend_local_backward(dout, q, k, v, out, lse, calls, scale, backend), None, None, None)
+            return (*attend_local_backward(dout, q, k, v, out, lse, calls, scale, backend), None, None, None, dsink)
         grads = q.detach(), k.detach(), v.detach()  # written over, piece by piece
         # The kernels take dout contiguous (the CPU op copies a strided one on every call): each piece's
         # is copied into one buffer, the size of the widest piece.
@@ -245,7 +247,7 @@ class HeadsAttention(RingAttention):
             for grad, heads, g in zip(grads, (hq, hk, hk), piece):
                 grad[:, :, heads] = g
             del piece
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, dsink)
 
 
 def a2a_ring_attention(
@@ -256,9 +258,12 @@ def a2a_ring_attention(
     ring_group: dist.ProcessGroup | None,
     layout: SeqLayout,
     args: AttentionArgs,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q ``[b, t, h_q, d_qk]``, k/v ``[b, t, h_kv, d]`` (this rank's shard of ``layout``) -> out
-    ``[b, t, h_q, d_v]``.  ``ring_group`` None: Ulysses (``U = cp``, one local attention).
+    ``[b, t, h_q, d_v]``.  ``ring_group`` None: Ulysses (``U = cp``, one local attention).  ``sink``
+    ``[h_q]`` or None (:mod:`.sinks`): each rank applies the sinks of the heads it attends, so its
+    gradient holds those heads' share over the tokens of its ring.
 
     Three autograd nodes, as DeepSpeed's ``DistributedAttention`` has them: the all-to-alls in (one for
     q, k and v together up to :data:`PACK_MAX_TOKENS` local tokens), the ring over the head-sharded
@@ -278,8 +283,9 @@ def a2a_ring_attention(
         q_h = _SeqToHeads.apply(q, a2a_group, index, halves, 1)  # [b, U*t, h_q/U, d_qk]
         k_h = _SeqToHeads.apply(k, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_qk]
         v_h = _SeqToHeads.apply(v, a2a_group, index, halves, f)  # [b, U*t, h_kv*f/U, d_v]
+    sink_h = heads_of(sink, dist.get_rank(a2a_group), u)  # [h_q/U] or None
     if ring_group is None:
-        out_h = HeadsAttention.apply(q_h, k_h, v_h, None, schedule, args)  # [b, U*t, h_q/U, d_v]
+        out_h = HeadsAttention.apply(q_h, k_h, v_h, None, schedule, args, sink_h)  # [b, U*t, h_q/U, d_v]
     else:
-        out_h = RingAttention.apply(q_h, k_h, v_h, ring_group, schedule, args)
+        out_h = RingAttention.apply(q_h, k_h, v_h, ring_group, schedule, args, sink_h)
     return _HeadsToSeq.apply(out_h, a2a_group, index, halves)  # [b, t, h_q, d_v]

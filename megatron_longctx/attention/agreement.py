@@ -41,8 +41,8 @@ def _packing_digest(packing: Packing) -> list[int]:
     return [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
 
 
-def _configuration(algorithm: str, args: AttentionArgs, q, k, v, packing: Packing, ulysses_size, hcp: bool
-                   ) -> list[tuple[str, object, list[int]]]:
+def _configuration(algorithm: str, args: AttentionArgs, q, k, v, packing: Packing, ulysses_size, hcp: bool,
+                   sink: bool = False) -> list[tuple[str, object, list[int]]]:
     """(parameter, readable value, int64 encoding) of everything the ranks must agree on."""
     scale_bits = struct.unpack("<q", struct.pack("<d", args.softmax_scale))[0]
     return [
@@ -59,6 +59,7 @@ def _configuration(algorithm: str, args: AttentionArgs, q, k, v, packing: Packin
         ("local length (tokens on this rank)", q.shape[1], [q.shape[1]]),
         ("ulysses_size", ulysses_size, [-1 if ulysses_size is None else int(ulysses_size)]),
         ("hcp_groups", "given" if hcp else None, [int(hcp)]),
+        ("softmax_offset (attention sinks)", "given" if sink else None, [int(sink)]),
         ("packing (cu_seqlens, cu_seqlens_padded)", _describe(packing),
          [packing.num_docs, packing.padded_total, *_packing_digest(packing)]),
     ]
@@ -77,13 +78,14 @@ def _device(group: dist.ProcessGroup, like: torch.Tensor) -> torch.device:
 
 
 def check_ranks_agree(group: dist.ProcessGroup, *, algorithm: str, args: AttentionArgs, q: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor, packing: Packing, ulysses_size, hcp: bool) -> None:
+                      k: torch.Tensor, v: torch.Tensor, packing: Packing, ulysses_size, hcp: bool,
+                      sink: bool = False) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all pass the same configuration.
 
     q/k/v ``[b, t, h, d]`` (the kernels' layout).  One ``all_gather`` of a ``[P, n]`` int64 table on
     the first call of a configuration; none afterwards.  Every rank must make the first call.
     """
-    fields = _configuration(algorithm, args, q, k, v, packing, ulysses_size, hcp)
+    fields = _configuration(algorithm, args, q, k, v, packing, ulysses_size, hcp, sink)
     codes = [x for _, _, code in fields for x in code]
     key = (group, tuple(codes))
     if key in _AGREED:

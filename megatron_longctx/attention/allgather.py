@@ -19,6 +19,7 @@ from .comm import all_gather, pack, reduce_scatter
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .schedule import allgather_calls
 from .segments import GradSum, attend_segments, attend_segments_backward, new_accumulators
+from .sinks import add_sink, sink_grad
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index):
@@ -88,18 +89,23 @@ def allgather_backward(
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Autograd wrapper of :func:`allgather_forward` / :func:`allgather_backward`."""
+    """Autograd wrapper of :func:`allgather_forward` / :func:`allgather_backward`; ``sink`` as in
+    :class:`.ring.RingAttention`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, args):
+    def forward(ctx, q, k, v, group, layout, args, sink=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = allgather_forward(q, k, v, group, layout, args)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sink is not None:
+            out, lse = add_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.group, ctx.layout, ctx.args = group, layout, args
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = allgather_backward(dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.layout, ctx.args)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, ctx.group, ctx.layout, ctx.args)
+        dsink = sink_grad(dout, out, lse, sink) if any(ctx.needs_input_grad[6:]) else None  # [h_q]
+        return dq, dk, dv, None, None, None, dsink

@@ -36,6 +36,7 @@ from .layout import Packing, SeqLayout
 from .ring import RingAttention
 from .schedule import ring_schedule, schedule_pairs
 from .sharding import check_divisible
+from .sinks import check_softmax_offset
 
 __all__ = ["ALGORITHMS", "cp_attention", "cp_attention_packed", "schedule_flops"]
 
@@ -54,6 +55,7 @@ def cp_attention(
     ulysses_size: int | None = None,
     hcp_groups: Sequence[dist.ProcessGroup] | None = None,
     packing: Packing | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, sharded over ``cp_group``.
 
@@ -81,13 +83,20 @@ def cp_attention(
     ``packing`` (:class:`.layout.Packing`): packed documents (THD): q/k/v are then
     ``[t/cp, h, d]`` in the per-document load-balanced layout and each token attends only within
     its document; see :func:`cp_attention_packed`.
+
+    ``softmax_offset`` ``[h_q]`` (attention sinks, :mod:`.sinks`; Megatron's ``--softmax-type``
+    ``off-by-one`` passes zeros, ``learnable`` its parameter): one more logit per head in every row's
+    softmax denominator, with no value.  Differentiable; its gradient on each rank covers the rows
+    (Ulysses: the heads) this rank attends, so the sum over ``cp_group`` is the whole gradient (what
+    Megatron's data-parallel reduction over ``dp_cp`` forms).
     """
     if packing is not None:
         return cp_attention_packed(q, k, v, cp_group, packing, algorithm=algorithm, causal=causal,
                                    softmax_scale=softmax_scale, window_size=window_size, backend=backend,
-                                   ulysses_size=ulysses_size, hcp_groups=hcp_groups)
+                                   ulysses_size=ulysses_size, hcp_groups=hcp_groups, softmax_offset=softmax_offset)
     check_algorithm_name(algorithm)
     check_tensors(q, k, v)
+    check_softmax_offset(softmax_offset, q, head_dim=2)
     args = attention_args(q, causal, softmax_scale, window_size, backend)
     cp_size = _cp_size(cp_group)
     _check_backend(backend, q.device)
@@ -96,7 +105,7 @@ def cp_attention(
         check_local_length(q.shape[0], cp_size)
     layout = SeqLayout.dense(q.shape[0] * cp_size, cp_size)
     qb, kb, vb = (x.transpose(0, 1) for x in (q, k, v))  # [s/cp, b, h, d] -> [b, s/cp, h, d]
-    out = _attend(qb, kb, vb, cp_group, layout, args, algorithm, ulysses_size, hcp_groups)
+    out = _attend(qb, kb, vb, cp_group, layout, args, algorithm, ulysses_size, hcp_groups, softmax_offset)
     return out.transpose(0, 1).contiguous()  # [b, s/cp, h_q, d_v] -> [s/cp, b, h_q, d_v]
 
 
@@ -114,6 +123,7 @@ def cp_attention_packed(
     backend: str | None = None,
     ulysses_size: int | None = None,
     hcp_groups: Sequence[dist.ProcessGroup] | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's packed tokens, each over its own document, sharded over ``cp_group``.
 
@@ -127,7 +137,7 @@ def cp_attention_packed(
 
     Positions are document-relative: ``causal`` and ``window_size=(left, right)`` (flash-attn
     convention, ``-1`` unbounded) apply inside each document.  ``algorithm``, ``softmax_scale``,
-    ``backend``, ``ulysses_size`` and ``hcp_groups`` as in :func:`cp_attention` (Ring Attention,
+    ``backend``, ``ulysses_size``, ``hcp_groups`` and ``softmax_offset`` as in :func:`cp_attention` (Ring Attention,
     Liu et al. 2023; Llama 3 all-gather; DeepSpeed-Ulysses, Jacobs et al. 2023; USP, Fang & Zhao 2024).
     Attention never crosses a document boundary; padding tokens get ``out = 0`` and zero gradients.
     """
@@ -136,6 +146,7 @@ def cp_attention_packed(
         raise ValueError(f"packing must be a Packing (Packing.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)); "
                          f"got {type(packing).__name__}")
     check_tensors(q, k, v, token_dims=1)
+    check_softmax_offset(softmax_offset, q, head_dim=1)
     if packing.total == 0:
         raise ValueError(f"packing holds no real token (cu_seqlens={list(packing.cu_seqlens)}); skip the call")
     cp_size = _cp_size(cp_group)
@@ -151,7 +162,7 @@ def cp_attention_packed(
     _check_backend(backend, q.device)
     check_ulysses_size(algorithm, cp_size, q.shape[1], ulysses_size, hcp_groups)
     qb, kb, vb = (x.unsqueeze(0) for x in (q, k, v))  # [t/cp, h, d] -> [1, t/cp, h, d]
-    out = _attend(qb, kb, vb, cp_group, layout, args, algorithm, ulysses_size, hcp_groups)
+    out = _attend(qb, kb, vb, cp_group, layout, args, algorithm, ulysses_size, hcp_groups, softmax_offset)
     return out.squeeze(0)  # [1, t/cp, h_q, d_v] -> [t/cp, h_q, d_v]
 
 
@@ -167,21 +178,22 @@ def _check_backend(backend: str | None, device: torch.device) -> None:
 
 
 def _attend(q, k, v, cp_group, layout: SeqLayout, args: AttentionArgs, algorithm: str, ulysses_size,
-            hcp_groups) -> torch.Tensor:
+            hcp_groups, sink: torch.Tensor | None) -> torch.Tensor:
     """q/k/v ``[b, t, h, d]`` (this rank's shard of ``layout``) -> out ``[b, t, h_q, d_v]``: the
-    cross-rank agreement check, the groups, then one communication pattern."""
+    cross-rank agreement check, the groups, then one communication pattern (``sink`` ``[h_q]``: the
+    attention sinks, added to each row's merged result)."""
     cp_size = layout.cp_size
     if cp_size > 1 and algorithm == "hybrid" and hcp_groups is not None:
         check_hcp_groups(hcp_groups, cp_group, cp_size, ulysses_size, q.shape[2])  # before any collective
     if cp_size > 1:
         check_ranks_agree(cp_group, algorithm=algorithm, args=args, q=q, k=k, v=v, packing=layout.packing,
-                          ulysses_size=ulysses_size, hcp=hcp_groups is not None)
+                          ulysses_size=ulysses_size, hcp=hcp_groups is not None, sink=sink is not None)
     a2a_group, ring_group = a2a_and_ring_groups(algorithm, cp_group, cp_size, ulysses_size, hcp_groups, q.shape[2])
     if algorithm == "allgather" and cp_size > 1:
-        return AllGatherAttention.apply(q, k, v, cp_group, layout, args)
+        return AllGatherAttention.apply(q, k, v, cp_group, layout, args, sink)
     if a2a_group is None:  # the ring over cp_group (one rank: local attention)
-        return RingAttention.apply(q, k, v, ring_group, ring_schedule(layout, args.mask), args)
-    return a2a_ring_attention(q, k, v, a2a_group, ring_group, layout, args)
+        return RingAttention.apply(q, k, v, ring_group, ring_schedule(layout, args.mask), args, sink)
+    return a2a_ring_attention(q, k, v, a2a_group, ring_group, layout, args, sink)
 
 
 def schedule_flops(

@@ -33,6 +33,7 @@ from .segments import (
     split_for_overlap,
     whole,
 )
+from .sinks import add_sink, sink_grad
 
 
 # Local tokens up to which the ring backward splits its local block around the remote steps.
@@ -182,18 +183,23 @@ def _step_backward(dout, q, k_i, v_i, out, lse, calls, args: AttentionArgs, dq: 
 
 
 class RingAttention(torch.autograd.Function):
-    """Autograd wrapper of :func:`ring_forward` / :func:`ring_backward`."""
+    """Autograd wrapper of :func:`ring_forward` / :func:`ring_backward`; ``sink`` ``[h_q]`` or None: the
+    attention sinks (:mod:`.sinks`), added to each row's merged result and saved with it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, schedule, args):
+    def forward(ctx, q, k, v, group, schedule, args, sink=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = ring_forward(q, k, v, group, schedule, args)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sink is not None:
+            out, lse = add_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.group, ctx.schedule, ctx.args = group, schedule, args
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.schedule, ctx.args)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.schedule, ctx.args)
+        dsink = sink_grad(dout, out, lse, sink) if any(ctx.needs_input_grad[6:]) else None  # [h_q]
+        return dq, dk, dv, None, None, None, dsink

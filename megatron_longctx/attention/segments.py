@@ -9,7 +9,9 @@ coalesced into one call whenever a single mask over the rectangle they span repr
 mask of each block (so one step of the zigzag ring costs one kernel call, as in
 ring-flash-attention's zigzag variant, Zhu 2024).  :func:`attend_segments` runs the calls and folds
 the partial results with the online softmax (FlashAttention, Dao et al. 2022); its backward runs
-the same schedule.
+the same schedule.  Each backend receives all of its calls of a step at once
+(:mod:`megatron_longctx.kernels.varlen`): a packed batch's documents become a few variable-length
+kernel calls where the backend has them.
 
 The schedule is a pure function of positions, so every rank can compute every other rank's (the
 ring schedule and the benchmark's FLOP counts rely on that).  Layout inside: ``[b, s, h, d]``.
@@ -25,6 +27,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ..kernels import varlen
 from ..kernels.base import BlockArgs, BlockMask, Visibility
 from ..kernels.merge import merge_
 from ..kernels.select import kernel_for
@@ -244,12 +247,25 @@ def attend_segments(
     accumulator dtype (float32, float64 for float64 inputs).  Each call's kernel comes from
     :func:`megatron_longctx.kernels.select.kernel_for` (``backend``: a name, or None for automatic).
     """
-    for c in calls:
-        args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
-        qc, kc, vc = q[:, c.q_lo:c.q_hi], k[:, c.k_lo:c.k_hi], v[:, c.k_lo:c.k_hi]
-        out, lse = kernel_for(qc, kc, vc, args, backend).forward(qc, kc, vc, args)
+    results = [None] * len(calls)
+    for backend_module, items in _by_backend(q, k, v, calls, softmax_scale, backend):
+        indices, blocks = zip(*items)
+        for i, result in zip(indices, varlen.forward_blocks(backend_module, q, k, v, blocks)):
+            results[i] = result
+    for c, (out, lse) in zip(calls, results):  # merged in call order: the sums of a call-by-call loop
         rows = slice(c.q_lo, c.q_hi)
         merge_(out_acc[:, rows], lse_acc[:, :, rows], out, lse)  # [b, rows, h_q, d_v], [b, h_q, rows]
+
+
+def _by_backend(q, k, v, calls: tuple[BlockCall, ...], softmax_scale: float, backend: str | None) -> list:
+    """``[(backend module, [(call index, varlen.Block), ...]), ...]``: each call with the kernel that serves it
+    (:func:`~megatron_longctx.kernels.select.kernel_for`), so a backend gets all of its calls at once."""
+    groups: dict[int, tuple] = {}
+    for i, c in enumerate(calls):
+        args = _block_args(c, softmax_scale)
+        module = kernel_for(q[:, c.q_lo:c.q_hi], k[:, c.k_lo:c.k_hi], v[:, c.k_lo:c.k_hi], args, backend)
+        groups.setdefault(id(module), (module, []))[1].append((i, varlen.Block(c.q_lo, c.q_hi, c.k_lo, c.k_hi, args)))
+    return list(groups.values())
 
 
 class GradSum:
@@ -349,12 +365,12 @@ def attend_segments_backward(
     Adds each call's gradients to ``dq`` (over ``[b, s_q, h_q, d_qk]``) and ``dkv`` (over dk
     ``[b, s_k, h_kv, d_qk]`` and dv ``[b, s_k, h_kv, d_v]``).
     """
-    for c in calls:
-        args = BlockArgs(softmax_scale=softmax_scale, mask=c.mask, q_start=c.q_start, k_start=c.k_start)
-        rows, cols = slice(c.q_lo, c.q_hi), slice(c.k_lo, c.k_hi)
-        qc, kc, vc = q[:, rows], k[:, cols], v[:, cols]
-        kernel = kernel_for(qc, kc, vc, args, backend)
-        dq_c, dk_c, dv_c = kernel.backward(dout[:, rows], qc, kc, vc, out[:, rows], lse[:, :, rows].contiguous(), args)
+    grads = [None] * len(calls)
+    for backend_module, items in _by_backend(q, k, v, calls, softmax_scale, backend):
+        indices, blocks = zip(*items)
+        for i, g in zip(indices, varlen.backward_blocks(backend_module, dout, q, k, v, out, lse, blocks)):
+            grads[i] = g
+    for c, (dq_c, dk_c, dv_c) in zip(calls, grads):  # added in call order
         dq.add(c.q_lo, c.q_hi, [dq_c])
         dkv.add(c.k_lo, c.k_hi, [dk_c, dv_c])
 

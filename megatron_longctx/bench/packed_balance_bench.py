@@ -10,6 +10,9 @@ three ways of sharding one packed sequence::
     zigzag-doc   every document cut into 2*cp chunks, rank r keeps r and 2cp-1-r of each
                  (per-document balancing; the FLOPs are read off the ring schedule that runs)
 
+and the forward kernel calls of each rank's ring: one per document block (``calls (doc)``, the CPU
+backends) and one per piece kind per step (``calls (varlen)``, a variable-length backend).
+
 Prints one table per length distribution and writes JSON::
 
     python -m megatron_longctx.bench.packed_balance_bench --cp 8 --json packed_balance.json
@@ -24,7 +27,9 @@ import random
 from megatron_longctx.attention.layout import Packing, SeqLayout as PackedLayout
 from megatron_longctx.attention.schedule import ring_schedule as packed_ring_schedule
 from megatron_longctx.attention.segments import visible_pairs
-from megatron_longctx.kernels.base import BlockMask
+from megatron_longctx.kernels import varlen
+from megatron_longctx.kernels.base import BlockArgs, BlockMask
+from megatron_longctx.kernels.driver import flash2_pieces
 
 SCHEMES = ("contiguous", "zigzag-seq", "zigzag-doc")
 
@@ -85,16 +90,26 @@ def measure(lengths: list[int], cp: int, mask: BlockMask, heads: int, head_dim: 
     schedule = packed_ring_schedule(layout, mask)
     result["ring_steps"] = len(schedule.offsets)
     result["kernel_calls_per_rank"] = [sum(len(step[r]) for step in schedule.calls) for r in range(cp)]
+    result["varlen_calls_per_rank"] = [sum(varlen_calls(step[r], mask) for step in schedule.calls) for r in range(cp)]
     return result
+
+
+def varlen_calls(calls, mask: BlockMask) -> int:
+    """Forward kernel calls of one step's ``calls`` on a variable-length backend (``sdpa_cuda``): one per
+    kind of flash-attn 2 piece (:func:`megatron_longctx.kernels.varlen.group_pieces`)."""
+    blocks = [varlen.Block(c.q_lo, c.q_hi, c.k_lo, c.k_hi, BlockArgs(1.0, c.mask, c.q_start, c.k_start))
+              for c in calls]
+    return len(varlen.group_pieces(blocks, flash2_pieces))
 
 
 def _table(name: str, res: dict, cp: int) -> str:
     lines = [f"\n{name}: {res['docs']} documents, {res['tokens']} tokens ({res['padded_tokens']} padded), "
              f"cp={cp}, ring steps {res['ring_steps']}",
-             f"{'rank':>6} " + " ".join(f"{s + ' TFLOP':>18}" for s in SCHEMES) + f" {'calls (doc)':>12}"]
+             f"{'rank':>6} " + " ".join(f"{s + ' TFLOP':>18}" for s in SCHEMES)
+             + f" {'calls (doc)':>12} {'calls (varlen)':>15}"]
     for r in range(cp):
         cells = " ".join(f"{res['schemes'][s]['flops_per_rank'][r] / 1e12:>18.3f}" for s in SCHEMES)
-        lines.append(f"{r:>6} {cells} {res['kernel_calls_per_rank'][r]:>12}")
+        lines.append(f"{r:>6} {cells} {res['kernel_calls_per_rank'][r]:>12} {res['varlen_calls_per_rank'][r]:>15}")
     lines.append(f"{'max/mean':>6} " + " ".join(f"{res['schemes'][s]['max_over_mean']:>18.3f}" for s in SCHEMES))
     lines.append(f"{'max/min':>6} " + " ".join(f"{res['schemes'][s]['max_over_min']:>18.3f}" for s in SCHEMES))
     return "\n".join(lines)

@@ -8,7 +8,9 @@ k/v with fewer heads (GQA/MQA, the kernel of Dao 2023), and, where their schemas
 :class:`~.base.BlockMask` as a bottom-right aligned window on the pieces of
 :func:`.driver.flash2_pieces`; without them only unmasked and causal pieces are served.  The dense (non-varlen)
 backward gets ``None`` for ``cum_seq_q``/``cum_seq_k`` and, as dropout is off, placeholder RNG
-tensors, the way ``torch.nn.attention.varlen`` calls it.
+tensors, the way ``torch.nn.attention.varlen`` calls it.  The blocks of a step go as one variable-length
+call (``cum_seq_q``/``cum_seq_k``, ``[T, h, D]`` rows end to end, lse ``[h, T]``) per piece kind
+(:mod:`.varlen`): a packed batch of many documents costs a few calls, not one per document.
 
 The other SDPA kernels that return a logsumexp are not used: the memory-efficient kernel pads its
 lse to 32-row tiles, expresses masks only as a dense bias and needs equal head counts; cuDNN's has
@@ -22,7 +24,7 @@ import functools
 
 import torch
 
-from . import driver
+from . import driver, varlen
 from .base import BlockArgs, KernelUnsupported, LiveBlock
 
 name = "sdpa_cuda"
@@ -51,12 +53,7 @@ class FlashOpPieces:
         self.fwd_op, self.bwd_op, self.windows = fwd_op, bwd_op, windows
 
     def _mask_args(self, piece: LiveBlock) -> tuple[bool, dict]:
-        causal, left, right = piece.flash_window()
-        if causal or (left, right) == (-1, -1):
-            return causal, {}
-        if not self.windows:
-            raise KernelUnsupported(f"{name}: this torch's flash ops have no window arguments (piece {piece})")
-        return False, {"window_size_left": left, "window_size_right": right}
+        return self._kind_args(piece.flash_window())
 
     def forward(self, q, k, v, scale: float, piece: LiveBlock):
         causal, windows = self._mask_args(piece)
@@ -74,6 +71,36 @@ class FlashOpPieces:
             scale=scale, **windows,
         )
         return dq, dk, dv
+
+
+    def _kind_args(self, kind: tuple[bool, int, int]) -> tuple[bool, dict]:
+        causal, left, right = kind
+        if causal or (left, right) == (-1, -1):
+            return causal, {}
+        if not self.windows:
+            raise KernelUnsupported(f"{name}: this torch's flash ops have no window arguments (window {kind[1:]})")
+        return False, {"window_size_left": left, "window_size_right": right}
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, kind):
+        """q ``[T, h_q, D]``, k/v ``[T_k, h_kv, D]`` with ``cu_seqlens`` → out ``[T, h_q, D]``, lse ``[h_q, T]``."""
+        causal, windows = self._kind_args(kind)
+        out, lse = self.fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **windows)[:2]
+        return out, lse
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, kind):
+        causal, windows = self._kind_args(kind)
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # unused: dropout is 0
+        unused = torch.empty(0, device=q.device)
+        return self.bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
+                           scale=scale, **windows)
+
+    def forward_blocks(self, q, k, v, blocks):
+        """Every block's (out, lse), one variable-length call per piece kind (:mod:`.varlen`)."""
+        return varlen.varlen_forward(self.forward_varlen, q, k, v, blocks, driver.flash2_pieces, self.head_multiple)
+
+    def backward_blocks(self, dout, q, k, v, out, lse, blocks):
+        return varlen.varlen_backward(self.backward_varlen, dout, q, k, v, out, lse, blocks, driver.flash2_pieces,
+                                      self.head_multiple)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,3 +154,15 @@ def backward(dout, q, k, v, out, lse, args: BlockArgs) -> tuple[torch.Tensor, to
     driver.require(check(q, k, v, args))
     pieces = driver.flash2_pieces(args, q.shape[1], k.shape[1])
     return driver.backward(_kernel(), pieces, dout, q, k, v, out, lse, args)
+
+
+@torch.no_grad()
+def forward_blocks(q, k, v, blocks) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The blocks of a step (:class:`.varlen.Block`, each accepted by :func:`check`) in one variable-length
+    call per piece kind: a pack of documents costs a few kernel calls, not one per document."""
+    return _kernel().forward_blocks(q, k, v, blocks)
+
+
+@torch.no_grad()
+def backward_blocks(dout, q, k, v, out, lse, blocks) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return _kernel().backward_blocks(dout, q, k, v, out, lse, blocks)

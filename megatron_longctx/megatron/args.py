@@ -227,7 +227,33 @@ def check_after_parsing(args: argparse.Namespace) -> LongContextConfig:
                          "set --attention-dropout 0")
     if cfg.memory.recompute_tiles > 1:
         _check_recompute_tiles(args, cfg, cp_size)
+    check_window(getattr(args, "window_size", None), getattr(args, "seq_length", None))
     return cfg
+
+
+def check_window(window: Any, seq_length: Optional[int]) -> None:
+    """Megatron's ``--window-size LEFT,RIGHT`` against a causal GPT of ``seq_length`` tokens (``None``: no
+    window); ``ValueError`` names the flag and the fix."""
+    if window is None:
+        return
+    if isinstance(window, str):
+        try:
+            window = tuple(int(x) for x in window.split(","))
+        except ValueError:
+            window = ()
+    if len(window) != 2:
+        raise ValueError(f"--window-size {window}: give LEFT,RIGHT in tokens, e.g. --window-size 4096,0")
+    left, right = window
+    given = f"--window-size {left},{right}"
+    if left < -1 or right < -1:
+        raise ValueError(f"{given}: each side is a number of tokens (>= 0) or -1 for unbounded; e.g. "
+                         f"--window-size {max(left, 0) or 4096},0")
+    if right > 0:
+        raise ValueError(f"{given}: the model's attention is causal, so no token sees a later one; give the right "
+                         f"side 0 (--window-size {left},0)")
+    if seq_length and left >= seq_length:
+        raise ValueError(f"{given}: the left side covers the whole --seq-length {seq_length}, which is plain causal "
+                         f"attention; drop --window-size, or give a left side below {seq_length}")
 
 
 def _check_recompute_tiles(args: argparse.Namespace, cfg: LongContextConfig, cp_size: int) -> None:

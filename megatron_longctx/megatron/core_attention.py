@@ -9,9 +9,12 @@ algorithm Megatron's own knobs ask for (``--cp-comm-type``: ``p2p`` ring, ``all_
 With one CP rank the same call runs the block kernels locally (no communication); dropout, arbitrary
 masks and inference shapes (``sq != sk``) take :mod:`~megatron_longctx.megatron.local_attention`.
 
-Supported: causal / no-mask self-attention, sliding windows (``--window-size``), GQA/MQA, MLA head
-dims (``k_channels``/``v_channels``), TP (heads split before we see them), THD packed sequences with
-one CP rank, attention dropout with one CP rank.  Anything else is a ``ValueError`` naming the flag.
+Supported: causal / no-mask self-attention, sliding windows (``--window-size``, per layer with
+``--window-attn-skip-freq``), attention sinks (``--softmax-type off-by-one|learnable``: Megatron's
+``softmax_offset``, created as Megatron creates it, so checkpoints load either way; see
+:mod:`megatron_longctx.attention.sinks`), GQA/MQA, MLA head dims (``k_channels``/``v_channels``), TP
+(heads split before we see them), THD packed sequences, attention dropout with one CP rank.  Anything
+else is a ``ValueError`` naming the flag.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longctx.attention import cp_attention
 from megatron_longctx.attention.args import attention_args
+from megatron_longctx.attention.sinks import SOFTMAX_TYPES
 from megatron_longctx.attention.tiled import TiledKV
 from megatron_longctx.config import CP_COMM_TYPE_TO_ALGORITHM, ContextParallelConfig
 from megatron_longctx.memory import tiled_recompute
@@ -37,6 +41,23 @@ from megatron_longctx.megatron.local_attention import LocalAttentionArgs, local_
 _CAUSAL_TYPES = tuple(t for t in (AttnMaskType.causal, AttnMaskType.padding_causal,
                                   getattr(AttnMaskType, "causal_bottom_right", None)) if t is not None)
 _SUPPORTED_TYPES = (*_CAUSAL_TYPES, AttnMaskType.no_mask)
+
+
+class NvtxRanges:
+    """Megatron's NVTX range stack (``megatron.core.utils``, ``--nvtx-ranges``) as a
+    :class:`tiled_recompute.RangeStack`: a tile replay stops inside ``TransformerLayer`` and ``Attention``
+    ranges (:class:`tiled_recompute.ReplayStop`), which are popped here, innermost first."""
+
+    def depth(self) -> int:
+        from megatron.core import utils
+
+        return len(getattr(utils, "_nvtx_range_messages", ()))
+
+    def pop_to(self, depth: int) -> None:
+        from megatron.core import utils
+
+        while self.depth() > depth:
+            utils.nvtx_range_pop(utils._nvtx_range_messages[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +101,15 @@ def resolve_algorithm(config: TransformerConfig, layer_number: int, passed_comm_
 
 
 def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int, int]]:
-    """``config.window_size`` if this layer uses windowed attention (``--window-attn-skip-freq``)."""
+    """``config.window_size`` if this layer uses windowed attention (``--window-attn-skip-freq``: every
+    N-th layer full, or a 0/1 list per layer, 1 = windowed)."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
+    pattern = getattr(config, "window_attn_skip_freq", None)
+    if config.window_size and isinstance(pattern, (list, tuple)) and len(pattern) != config.num_layers:
+        raise ValueError(f"--window-attn-skip-freq lists {len(pattern)} layers but --num-layers is "
+                         f"{config.num_layers}; give one 0/1 per layer (1 = windowed), or an integer N "
+                         "(every N-th layer full)")
     if not is_layer_window_attention(config.window_size, getattr(config, "window_attn_skip_freq", None),
                                      layer_number):
         return None
@@ -118,9 +145,9 @@ class ContextParallelAttention(MegatronModule):
         if attention_type != "self":
             raise ValueError(f"ContextParallelAttention serves self-attention only, got attention_type="
                              f"{attention_type!r}; keep Megatron's core_attention for cross-attention")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"--softmax-type {config.softmax_type} is not supported by ContextParallelAttention; "
-                             "use --softmax-type vanilla")
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"--softmax-type {softmax_type!r} is not one of {', '.join(SOFTMAX_TYPES)}")
         self.cp_config = cp_config if cp_config is not None else ContextParallelConfig()
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
@@ -143,6 +170,40 @@ class ContextParallelAttention(MegatronModule):
             dropout_p=config.attention_dropout if attention_dropout is None else attention_dropout,
         )
         self._check_heads()
+        self.softmax_type = softmax_type
+        self._make_softmax_offset(config)
+
+    def _make_softmax_offset(self, config: TransformerConfig) -> None:
+        """``softmax_offset`` ``[heads per TP rank]`` as Megatron's ``DotProductAttention`` makes it (same
+        name, shape, dtype and init; sharded over TP on axis 0 in checkpoints): zeros for off-by-one (not a
+        parameter, not saved), a parameter for learnable, None for vanilla."""
+        if self.softmax_type == "vanilla":
+            self.softmax_offset = None
+            return
+        device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
+        offset = torch.zeros(self.num_heads, device=device, dtype=config.params_dtype)
+        if self.softmax_type == "off-by-one":
+            self.softmax_offset = offset
+            return
+        self.register_parameter("softmax_offset", torch.nn.Parameter(offset))
+        if config.perform_initialization:
+            self.softmax_offset = config.init_method(self.softmax_offset)
+
+    def _sink(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """``softmax_offset`` on ``like``'s device (the off-by-one zeros are a plain tensor: ``.to()`` of the
+        module does not move them, as in Megatron, which moves them per call too)."""
+        return None if self.softmax_offset is None else self.softmax_offset.to(like.device)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The learnable ``softmax_offset`` sharded over TP on axis 0, as Megatron's attention saves it."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True) if self.softmax_type == "learnable" else {}
+        dp_cp = (metadata or {}).get("dp_cp_group")
+        if dp_cp is None and parallel_state.model_parallel_is_initialized():
+            dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group, dp_cp_group=dp_cp)
 
     def _ulysses_size(self, algorithm: str, config: TransformerConfig) -> Optional[int]:
         if algorithm == "ulysses":
@@ -203,7 +264,8 @@ class ContextParallelAttention(MegatronModule):
             # What the block kernels do not serve: dropout, an arbitrary mask, sq != sk (inference).
             args = LocalAttentionArgs(self.settings.softmax_scale, mask_type in _CAUSAL_TYPES,
                                       self.settings.window_size, dropout_p)
-            out = self._with_dropout_rng(dropout_p, local_attention_sbhd, query, key, value, args, dense_mask)
+            out = self._with_dropout_rng(dropout_p, local_attention_sbhd, query, key, value, args, dense_mask,
+                                         self._sink(query))
         elif self.cp_size == 1:
             # One rank: the block kernels of --longctx-cp-kernel-backend, no communication.
             out = self._cp_attention(query, key, value, causal=mask_type in _CAUSAL_TYPES)
@@ -227,6 +289,9 @@ class ContextParallelAttention(MegatronModule):
         if packed_seq_params is not None:
             raise ValueError("--longctx-recompute-tiles: packed sequences (THD) are not replayed in tiles; "
                              "set --longctx-recompute-tiles 0")
+        if self.softmax_offset is not None:
+            raise ValueError(f"--longctx-recompute-tiles: attention sinks (--softmax-type {self.softmax_type}) are "
+                             "not replayed in tiles; set --longctx-recompute-tiles 0 or --softmax-type vanilla")
         if dropout_p > 0:
             raise ValueError(f"--longctx-recompute-tiles: attention dropout ({dropout_p}) would draw other masks "
                              "per tile; set --attention-dropout 0")
@@ -280,7 +345,7 @@ class ContextParallelAttention(MegatronModule):
         return cp_attention(
             q, k, v, self.cp_group, algorithm=self.settings.algorithm, causal=causal,
             softmax_scale=self.settings.softmax_scale, window_size=self.settings.window_size,
-            backend=self.settings.backend,
+            backend=self.settings.backend, softmax_offset=self._sink(q),
             **extra,
         )  # [s/cp, b, np, hn_v]
 
@@ -308,6 +373,7 @@ class ContextParallelAttention(MegatronModule):
         out = self._with_dropout_rng(
             dropout_p, local_attention_thd, q, k, v, args, params.cu_seqlens_q, params.cu_seqlens_kv,
             getattr(params, "cu_seqlens_q_padded", None), getattr(params, "cu_seqlens_kv_padded", None),
+            self._sink(q),
         )  # [t, np, hn_v]
         return out.reshape(out.shape[0], -1)  # [t, np*hn_v]
 

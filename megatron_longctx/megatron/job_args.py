@@ -16,6 +16,8 @@ import dataclasses
 import os
 from typing import Any, Optional
 
+from megatron_longctx.megatron.args import check_window
+
 CPU_TIMEOUT_MINUTES = 2  # rendezvous, dataset index build and the first step
 CPU_TIMEOUT_AFTER_INIT_S = 60  # any later collective: a stuck rank fails the job within this
 
@@ -41,7 +43,8 @@ _NUMERIC = (
     ("--tensor-model-parallel-size", int, 1), ("--pipeline-model-parallel-size", int, 1),
     ("--save-interval", int, 1), ("--ckpt-step", int, 0), ("--distributed-timeout-minutes", int, 1),
     ("--distributed-timeout-seconds-after-init", int, 1), ("--lr", float, 0.0), ("--log-interval", int, 1),
-    ("--attention-dropout", float, 0.0), ("--hidden-dropout", float, 0.0),
+    ("--attention-dropout", float, 0.0), ("--hidden-dropout", float, 0.0), ("--lr-warmup-iters", int, 0),
+    ("--lr-decay-iters", int, 1), ("--min-lr", float, 0.0),
 )
 _MANAGED = ("--save", "--load", "--ckpt-step", "--save-interval", "--exit-interval")
 _OWN_MINIMUM = (("nproc_per_node", 1), ("data_max_bytes", 1), ("resume_check_steps", 1), ("baseline_steps", 1))
@@ -51,7 +54,7 @@ def _reader() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag, kind, _ in _NUMERIC:
         p.add_argument(flag, type=kind, default=None)
-    for flag in ("--save", "--load", "--exit-interval", "--train-samples", "--cp-comm-type"):
+    for flag in ("--save", "--load", "--exit-interval", "--train-samples", "--cp-comm-type", "--window-size"):
         p.add_argument(flag, default=None, nargs="+" if flag == "--cp-comm-type" else None)
     p.add_argument("--group-query-attention", action="store_true")
     p.set_defaults(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)  # Megatron's defaults
@@ -87,6 +90,14 @@ def _check_numbers(values: argparse.Namespace, own: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value}: a dropout probability must be in [0, 1)")
     if values.train_samples is not None:
         raise ValueError("--train-samples: the main job counts steps; give --train-iters instead")
+    if values.min_lr > values.lr:
+        raise ValueError(f"--lr {values.lr} is below --min-lr {values.min_lr} (the main job's default is 2e-4); "
+                         f"give --min-lr {values.lr / 10:g} or lower")
+    decay = values.lr_decay_iters or values.train_iters  # Megatron decays over --train-iters by default
+    if values.lr_warmup_iters >= decay:
+        over = f"--lr-decay-iters {decay}" if values.lr_decay_iters else f"--train-iters {decay}"
+        raise ValueError(f"--lr-warmup-iters {values.lr_warmup_iters} must be below {over} (Megatron decays the "
+                         f"learning rate after the warm-up); give e.g. --lr-warmup-iters {max(0, decay - 1)}")
 
 
 def _check_layout(v: argparse.Namespace, world: int) -> None:
@@ -101,6 +112,7 @@ def _check_layout(v: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--context-parallel-size {v.context_parallel_size} x --tensor-model-parallel-size "
                          f"{v.tensor_model_parallel_size} x --pipeline-model-parallel-size "
                          f"{v.pipeline_model_parallel_size} must divide the {world} ranks (--nproc-per-node)")
+    check_window(v.window_size, v.seq_length)
     cp = v.context_parallel_size
     if cp > 1 and v.seq_length % (2 * cp):
         raise ValueError(f"--seq-length {v.seq_length} must be a multiple of 2 x --context-parallel-size "
@@ -131,6 +143,11 @@ class Job:
     @classmethod
     def from_argv(cls, megatron_argv: list[str], own: argparse.Namespace) -> "Job":
         values, _ = _reader().parse_known_args(DEFAULTS + megatron_argv)
+        given = {item.split("=", 1)[0] for item in megatron_argv}
+        if "--lr-warmup-iters" not in given and values.lr_decay_iters is None and values.train_iters is not None \
+                and 1 <= values.train_iters <= values.lr_warmup_iters:  # a short run: the default warm-up fits it
+            values.lr_warmup_iters = values.train_iters - 1
+            megatron_argv = [*megatron_argv, "--lr-warmup-iters", str(values.lr_warmup_iters)]
         _check_numbers(values, own)
         _check_layout(values, own.nproc_per_node)
         save = values.save if values.save is not None else os.path.join(own.output_dir, "checkpoint")

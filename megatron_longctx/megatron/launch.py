@@ -14,7 +14,8 @@ reversible with :func:`uninstall`):
   ``get_gpt_*_spec`` getters imported by name into ``gpt_builders.py`` (0.16) or
   ``megatron.training.models.gpt`` (0.19), ``--spec MODULE NAME``, the ModelOpt specs, and the in-place
   ``--attention-backend local`` override that 0.19 applies right before ``GPTModel(...)``.  When memory
-  features are configured, :func:`megatron_longctx.memory.install` is applied to the built model.
+  features are configured, :func:`megatron_longctx.memory.install` is applied to the built model (both through
+  :func:`megatron_longctx.megatron.memory_spec.build_model`, which the main job's model provider uses too).
 
 Users who prefer editing ``pretrain_gpt.py`` find the equivalent few-line diffs in ``patches/``.
 """
@@ -22,7 +23,6 @@ Users who prefer editing ``pretrain_gpt.py`` find the equivalent few-line diffs 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import importlib
@@ -122,47 +122,26 @@ def _wrap_add_megatron_arguments(original: Callable) -> Callable:
 
 
 def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
-    from megatron_longctx.megatron.spec import transform_spec
+    from megatron_longctx.megatron.memory_spec import build_model
 
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
-        cfg = current_config()
-        spec = bound.arguments.get(spec_param)
-        if spec is not None:
-            bound.arguments[spec_param] = transform_spec(spec, cfg, require=False)
-        mtp = bound.arguments.get("mtp_block_spec")
-        if mtp is not None:
-            bound.arguments["mtp_block_spec"] = transform_spec(mtp, cfg, require=False)
-        if cfg.memory.recompute_enabled and getattr(bound.arguments.get("config"), "recompute_granularity", None):
-            bound.arguments["config"] = _without_megatron_recompute(bound.arguments["config"])
-        original(*bound.args, **bound.kwargs)
-        if cfg.memory.any_enabled:
-            from megatron_longctx.memory import install as install_memory
 
-            self._longctx_memory_handle = install_memory(self, cfg.memory)
-            if cfg.memory.recompute_enabled and os.environ.get("RANK", "0") == "0":
-                mem = cfg.memory
-                what = (f"selective: {' '.join(mem.recompute_modules)}" if mem.recompute_granularity == "selective"
-                        else f"full: {mem.recompute_method}")
-                print(f"megatron_longctx.launch: Megatron's --recompute-granularity ({what}) runs in the plugin's "
-                      f"recompute on {len(self._longctx_memory_handle.layers)} layers (see plugin_recompute)",
-                      flush=True)
+        def build(config: Any, specs: dict[str, Any]) -> Any:
+            bound.arguments.update({name: spec for name, spec in specs.items() if spec is not None})
+            if "config" in bound.arguments:
+                bound.arguments["config"] = config
+            original(*bound.args, **bound.kwargs)
+            return self
+
+        specs = {name: bound.arguments.get(name) for name in (spec_param, "mtp_block_spec")}
+        build_model(build, bound.arguments.get("config"), specs, current_config(), who="megatron_longctx.launch")
 
     __init__.__longctx_wrapped__ = original
     return __init__
-
-
-def _without_megatron_recompute(config: Any) -> Any:
-    """A copy of a TransformerConfig with Megatron's recompute off: the plugin runs it instead
-    (:func:`megatron_longctx.megatron.args.plugin_recompute` says when)."""
-    config = copy.copy(config)
-    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
-        setattr(config, name, None)
-    config.recompute_modules = []
-    return config
 
 
 def _targets() -> list[tuple[Any, str, Callable]]:

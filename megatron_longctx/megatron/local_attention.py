@@ -3,7 +3,9 @@
 The path :class:`~megatron_longctx.megatron.core_attention.ContextParallelAttention` takes when the
 sequence is not split: no communication, ``torch.nn.functional.scaled_dot_product_attention``
 (FlashAttention-2, Dao 2023, arXiv:2307.08691, on CUDA; fused math on CPU), K/V heads grouped
-(GQA) without expanding them, attention dropout supported.
+(GQA) without expanding them, attention dropout supported.  Attention sinks (``softmax_offset``
+``[hq]``, Megatron's ``--softmax-type off-by-one|learnable``) take the math path with the sink as one
+more column of the scores, as Megatron's ``SoftmaxOne`` does.
 
 No call reads a device tensor back to the host on its own: the packed layout's ``cu_seqlens`` are
 copied to the host once (one transfer for all of them) and cached on the tensor objects, which
@@ -48,9 +50,16 @@ def _visible(sq: int, sk: int, args: LocalAttentionArgs, device: torch.device) -
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentionArgs,
-          dense_mask: torch.Tensor | None = None) -> torch.Tensor:
+          dense_mask: torch.Tensor | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[b, hq, sq, d]``, k ``[b, hkv, sk, d]``, v ``[b, hkv, sk, dv]`` -> ``[b, hq, sq, dv]``."""
     sq, sk = q.shape[2], k.shape[2]
+    if sink is not None:
+        visible = _visible(sq, sk, args, q.device)
+        if dense_mask is not None:
+            visible = dense_mask if visible is None else visible & dense_mask
+        groups = q.shape[1] // k.shape[1]
+        # [b, hkv, sk, d] -> [b, hq, sk, d]
+        return _math(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), args, visible, sink)
     if args.causal and args.window_size is None and sq == sk and dense_mask is None:
         # Plain causal: SDPA's own is_causal, no [sq, sk] mask materialised.
         return F.scaled_dot_product_attention(
@@ -106,28 +115,36 @@ def host_offsets(*tensors: torch.Tensor) -> list[list[int]]:
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentionArgs,
-          visible: torch.Tensor) -> torch.Tensor:
+          visible: torch.Tensor | None, sink: torch.Tensor | None = None) -> torch.Tensor:
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * args.softmax_scale  # [b, h, sq, sk]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.float() if q.dtype != torch.float64 else scores
+    if sink is not None:  # [b, h, sq, sk] -> [b, h, sq, sk + 1]: the sink's logit last, dropped after the softmax
+        column = sink.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
     probs = F.dropout(probs, p=args.dropout_p, training=args.dropout_p > 0)
     return torch.einsum("bhqk,bhkd->bhqd", probs, v)  # [b, h, sq, dv]
 
 
 def local_attention_sbhd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentionArgs,
-                         dense_mask: torch.Tensor | None = None) -> torch.Tensor:
+                         dense_mask: torch.Tensor | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Megatron layout: q ``[sq, b, hq, d]``, k ``[sk, b, hkv, d]``, v ``[sk, b, hkv, dv]`` -> ``[sq, b, hq, dv]``.
 
     ``dense_mask``: optional bool ``[sq, sk]`` or broadcastable ``[b, 1, sq, sk]``, True = visible.
+    ``sink``: optional ``[hq]`` attention sinks (one more logit per head in each row's softmax).
     """
-    out = _sdpa(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), args, dense_mask)
+    out = _sdpa(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), args, dense_mask, sink)
     return out.permute(2, 0, 1, 3)  # [b, hq, sq, dv] -> [sq, b, hq, dv]
 
 
 def local_attention_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentionArgs,
                         cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
                         cu_seqlens_q_padded: torch.Tensor | None = None,
-                        cu_seqlens_kv_padded: torch.Tensor | None = None) -> torch.Tensor:
+                        cu_seqlens_kv_padded: torch.Tensor | None = None,
+                        sink: torch.Tensor | None = None) -> torch.Tensor:
     """Packed (THD) layout: q ``[t, hq, d]``, k ``[t, hkv, d]``, v ``[t, hkv, dv]`` -> ``[t, hq, dv]``.
 
     Document ``i`` has ``cu_seqlens[i+1] - cu_seqlens[i]`` tokens starting at ``cu_seqlens_padded[i]``
@@ -147,7 +164,7 @@ def local_attention_thd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args:
             continue
         qd = q[sq0 : sq0 + lq].unsqueeze(1)  # [lq, 1, hq, d]
         kd, vd = k[sk0 : sk0 + lk].unsqueeze(1), v[sk0 : sk0 + lk].unsqueeze(1)  # [lk, 1, hkv, d]
-        pieces.append(local_attention_sbhd(qd, kd, vd, args).squeeze(1))  # [lq, hq, dv]
+        pieces.append(local_attention_sbhd(qd, kd, vd, args, sink=sink).squeeze(1))  # [lq, hq, dv]
         rows.append(torch.arange(sq0, sq0 + lq, device=q.device))
     if not pieces:
         return out

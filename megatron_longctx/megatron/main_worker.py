@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_longctx.memory.accounting import rss_bytes
+from megatron_longctx.memory.accounting import peak_rss_bytes
 
 JOB_ENV = "LONGCTX_JOB"
 
@@ -53,7 +53,6 @@ class StepLog:
         self.total = settings.get("total_steps")
         self.bar: Any = None
         self.started = False
-        self.base_rss = rss_bytes()
 
     def _rank0(self) -> bool:
         return dist.get_rank() == 0
@@ -73,19 +72,22 @@ class StepLog:
         if torch.cuda.is_available():
             local = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        else:
-            local = rss_bytes() - self.base_rss
+        else:  # the step's peak resident memory, the process's own included (as the peak RSS is counted)
+            local = peak_rss_bytes(reset=True)
         t = torch.zeros(dist.get_world_size(), dtype=torch.int64,
                         device="cuda" if torch.cuda.is_available() else "cpu")
         t[dist.get_rank()] = local  # [world], one slot per rank
         dist.all_reduce(t)
         return [int(x) for x in t]
 
-    def add(self, step: int, loss: float, grad_norm: Optional[float], lr: float, seconds: float, tokens: int) -> None:
+    def add(self, step: int, loss: float, grad_norm: Optional[float], lr: float, seconds: float, tokens: int,
+            offload: Optional[dict[str, int]] = None) -> None:
         row = {"run": self.name, "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                "step_time_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
                "peak_mem_bytes_per_rank": self.peaks(),
                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if offload:
+            row["offload"] = offload  # rank 0's activation offload counters since the start (bytes, tensors)
         if not self._rank0():
             return
         if not self.started:
@@ -163,10 +165,21 @@ def _wrap_train_step(original: Callable, log: StepLog, watchdog: StallWatchdog) 
             loss = float(value.item() if isinstance(value, torch.Tensor) else value)
             tokens = margs.global_batch_size * margs.seq_length
             log.add(margs.curr_iteration + 1, loss, None if grad_norm is None else float(grad_norm), lr, seconds,
-                    tokens)
+                    tokens, _offload_stats(args[2] if len(args) > 2 else kwargs.get("model")))
         return out
 
     return train_step
+
+
+def _offload_stats(model: Any) -> dict[str, int]:
+    """The activation offload counters of the plugin's memory features on ``model`` (``{}``: none)."""
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        while chunk is not None and not hasattr(chunk, "_longctx_memory_handle") and hasattr(chunk, "module"):
+            chunk = chunk.module  # DDP / Float16Module wrappers
+        handle = getattr(chunk, "_longctx_memory_handle", None)
+        if handle is not None and handle.offloader is not None:
+            return handle.stats()
+    return {}
 
 
 def _wrap_save_checkpoint(original: Callable, watchdog: StallWatchdog) -> Callable:

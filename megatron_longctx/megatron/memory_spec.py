@@ -23,13 +23,15 @@ model is built: ``.cuda()`` after ``--use-cpu-initialization``, the DDP paramete
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from megatron_longctx.config import MemoryConfig
+from megatron_longctx.config import LongContextConfig, MemoryConfig
 from megatron_longctx.memory import grad_stream, hooks
 from megatron_longctx.memory.offload import ActivationOffloader
 from megatron_longctx.memory.recompute import (
@@ -44,6 +46,7 @@ from megatron_longctx.memory.lean_norm import install_lean_norms
 from megatron_longctx.memory.tiled_loss import install_tiled_loss
 from megatron_longctx.memory.tiled_recompute import tiled_checkpoint
 from megatron_longctx.memory.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
+from megatron_longctx.megatron.core_attention import NvtxRanges
 
 # Offload policy ``modules``: the submodule each name scopes (norm outputs are saved by their consumer,
 # so ``layernorm`` scopes the norms themselves: what the norm's backward keeps).
@@ -91,6 +94,15 @@ class MemoryHandle:
     layers: list
     offloader: Optional[ActivationOffloader]
     removers: list = dataclasses.field(default_factory=list)
+    active: dict = dataclasses.field(default_factory=dict)  # feature -> what it was put on (describe())
+
+    def describe(self) -> str:
+        """One line: each feature put on the model and where (e.g. ``tiled MLP: 4 tiles on 2 MLPs``)."""
+        return "; ".join(f"{name}: {what}" for name, what in self.active.items()) or "none"
+
+    def stats(self) -> dict[str, int]:
+        """The offloader's byte counters so far (``{}`` without offload)."""
+        return dataclasses.asdict(self.offloader.stats) if self.offloader is not None else {}
 
     def remove(self) -> None:
         while self.removers:
@@ -179,7 +191,7 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
                 if recompute and cfg.recompute_tiles > 1:
                     return tiled_checkpoint(original, cfg.recompute_tiles, layer.parameters, *args,
                                             grad_target=grad_target, output_over_input=cfg.tiled_output_over_input,
-                                            **kwargs)
+                                            ranges=NvtxRanges(), **kwargs)
                 return checkpoint(original, *args, **kwargs) if recompute else original(*args, **kwargs)
             finally:
                 if discard is not None:
@@ -284,7 +296,7 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     handle = MemoryHandle(cfg=cfg, layers=layers, offloader=offloader)
     grad_target = None
     if cfg.offload_residual_grad:
-        grad_target = grad_stream.Target(offloader.disk_dir if cfg.offload_target == "disk" else None)
+        grad_target = grad_stream.Target(offloader.disk_dir if cfg.offload_target == "disk" else None, offloader)
     if cfg.tiled_mlp_tiles > 1:
         tiled = tiled_mlp_type()
         mlps = [getattr(layer, "mlp", None) for layer in layers]
@@ -294,13 +306,21 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
                              "tiled); set it to 0")
         for mlp in dense:
             handle.removers.append(tile_mlp_forward(mlp, cfg.tiled_mlp_tiles))
+        handle.active["tiled MLP"] = f"{cfg.tiled_mlp_tiles} tiles on {sum(m is not None for m in mlps)} MLPs"
     if cfg.tiled_loss_tiles > 1:
+        losses = 0
         for chunk in chunks:
             if getattr(chunk, "post_process", False) and hasattr(chunk, "compute_language_model_loss"):
                 handle.removers.append(install_tiled_loss(chunk, cfg.tiled_loss_tiles, cfg.tiled_loss_recompute,
                                                           grad_target))
+                losses += 1
+        if losses:
+            handle.active["tiled loss"] = (f"{cfg.tiled_loss_tiles} tiles"
+                                           f"{', logits recomputed in backward' if cfg.tiled_loss_recompute else ''}")
     if cfg.lean_norm:
-        handle.removers.extend(install_lean_norms(chunks))
+        norms = install_lean_norms(chunks)
+        handle.removers.extend(norms)
+        handle.active["lean RMSNorm"] = f"{len(norms)} norms" if norms else "none (the model has no torch RMSNorm)"
     if cfg.tiled_output_over_input:
         for chunk in chunks:
             decoder = getattr(chunk, "decoder", None)
@@ -329,5 +349,70 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     for index, layer in enumerate(layers):
         handle.removers.append(_wrap_layer(layer, index, index in starts, cfg, index in recomputed,
                                            offloader, discard, grad_target))
+    _describe_layers(handle, cfg, len(recomputed), grad_target)
     return handle
+
+
+def _describe_layers(handle: MemoryHandle, cfg: MemoryConfig, recomputed: int,
+                     grad_target: Optional[grad_stream.Target]) -> None:
+    layers = len(handle.layers)
+    if cfg.recompute_granularity == "full":
+        tiles = f", replayed in {cfg.recompute_tiles} sequence tiles" if cfg.recompute_tiles > 1 else ""
+        over = ", output written over input" if cfg.tiled_output_over_input else ""
+        handle.active["full recompute"] = f"{recomputed} of {layers} layers ({cfg.recompute_method}){tiles}{over}"
+    elif cfg.recompute_granularity == "selective":
+        handle.active["selective recompute"] = f"{' '.join(cfg.recompute_modules)} in {layers} layers"
+    if handle.offloader is not None:
+        where = f"disk ({handle.offloader.disk_dir})" if cfg.offload_target == "disk" else "host"
+        what = {"modules": f"modules {' '.join(cfg.offload_modules)}",
+                "layers": f"layers (first {cfg.offload_num_layers or layers})"}.get(cfg.offload_policy, "checkpoint")
+        handle.active["offload"] = f"{what} to {where}"
+    if grad_target is not None:
+        handle.active["residual gradient offload"] = "between tiled layers"
+
+
+def megatron_config_without_plugin_recompute(config: Any, cfg: MemoryConfig) -> Any:
+    """``config`` (a TransformerConfig) as the model is built with it: where the plugin runs the recompute
+    (:func:`megatron_longctx.megatron.args.plugin_recompute` says when), a copy with Megatron's off."""
+    if not cfg.recompute_enabled or not getattr(config, "recompute_granularity", None):
+        return config
+    config = copy.copy(config)
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        setattr(config, name, None)
+    config.recompute_modules = []
+    return config
+
+
+def build_model(build: Callable[[Any, dict[str, Any]], Any], config: Any, specs: dict[str, Any],
+                cfg: LongContextConfig, who: str = "megatron-longctx") -> Any:
+    """Build a Megatron model with the plugin in it: the one path of the launcher and the main job.
+
+    ``build(config, specs)`` builds the model (``GPTModel(config, **specs)`` or the like) and returns it;
+    ``specs`` maps its spec arguments (layer / stack spec, MTP block spec; ``None`` entries are passed
+    through).  In this order:
+
+    1. every spec gets :class:`ContextParallelAttention` and the spec-level memory features
+       (:func:`megatron_longctx.megatron.spec.transform_spec`);
+    2. where the plugin runs Megatron's recompute, the model is built with Megatron's off
+       (:func:`megatron_config_without_plugin_recompute`), so :func:`install` does not refuse the pair;
+    3. :func:`install` puts the memory features on the built model; the handle is
+       ``model._longctx_memory_handle``, and rank 0 prints one line naming each feature and where it went.
+    """
+    from megatron_longctx.megatron.spec import transform_spec
+
+    specs = {name: None if spec is None else transform_spec(spec, cfg, require=False) for name, spec in specs.items()}
+    model = build(megatron_config_without_plugin_recompute(config, cfg.memory), specs)
+    if not cfg.memory.any_enabled:
+        return model
+    handle = install(model, cfg.memory)
+    model._longctx_memory_handle = handle
+    if os.environ.get("RANK", "0") == "0":
+        mem = cfg.memory
+        if mem.recompute_enabled:
+            what = (f"selective: {' '.join(mem.recompute_modules)}" if mem.recompute_granularity == "selective"
+                    else f"full: {mem.recompute_method}")
+            print(f"{who}: Megatron's --recompute-granularity ({what}) runs in the plugin's recompute on "
+                  f"{len(handle.layers)} layers (see plugin_recompute)", flush=True)
+        print(f"{who}: memory features: {handle.describe()}", flush=True)
+    return model
 

@@ -33,40 +33,46 @@ def is_baseline() -> bool:
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                    config: Any = None, pg_collection: Any = None) -> Any:
-    """``GPTModel`` with the local spec (plugin attention unless the baseline run is asked for)."""
+    """``GPTModel`` with the local spec, built as the launcher builds it
+    (:func:`~megatron_longctx.megatron.memory_spec.build_model`: the plugin's attention and memory features,
+    Megatron's recompute off where the plugin runs it); the baseline run builds it with Megatron's own."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
+    from megatron_longctx.megatron.args import config_from_args
+    from megatron_longctx.megatron.memory_spec import build_model, megatron_config_without_plugin_recompute
+
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
-    if not is_baseline():
-        from megatron_longctx.megatron.args import config_from_args
-        from megatron_longctx.megatron.spec import transform_spec
-
-        spec = transform_spec(spec, config_from_args(args))
     kwargs: dict[str, Any] = {}
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
-    model = GPTModel(config, spec, vocab_size=data_mod.padded_vocab_size(data_mod.ByteTokenizer()),
-                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-                     post_process=post_process, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-                     **kwargs)
-    if not is_baseline():
-        from megatron_longctx.megatron.args import config_from_args
+    # Megatron pads to make_vocab_size_divisible_by x TP (megatron.training.vocab_utils), so that every TP
+    # rank's shard of the embedding and output layer has whole multiples of the divisor.
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
 
-        memory = config_from_args(args).memory
-        if memory.any_enabled:
-            from megatron_longctx.memory import install
+    def build(config: Any, specs: dict[str, Any]) -> Any:
+        return GPTModel(config, specs["transformer_layer_spec"],
+                        vocab_size=data_mod.padded_vocab_size(data_mod.ByteTokenizer(), multiple),
+                        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                        post_process=post_process,
+                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base, **kwargs)
 
-            model._longctx_memory_handle = install(model, memory)
-    return model
+    specs = {"transformer_layer_spec": get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)}
+    plugin = config_from_args(args)
+    if is_baseline():
+        # Megatron's own attention and recompute; what only the plugin can run here (selective layernorm /
+        # mlp without Transformer Engine) is left out: recompute does not change the loss.
+        if plugin.memory.recompute_granularity == "selective":
+            config = megatron_config_without_plugin_recompute(config, plugin.memory)
+        return build(config, specs)
+    return build_model(build, config, specs, plugin)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list, vp_stage: Optional[int] = None) -> tuple:

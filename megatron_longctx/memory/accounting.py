@@ -10,6 +10,7 @@ Tensors an offload packer claimed are counted apart: they no longer occupy the d
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import resource
@@ -155,6 +156,18 @@ def rss_bytes() -> int:
     """This process's resident set size (CPU memory in use)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes(reset: bool = False) -> int:
+    """This process's peak resident set size (the kernel's ``VmHWM``) since it started or since the last
+    ``reset`` (``/proc/self/clear_refs``; where that cannot be written the peak keeps counting from the
+    start, never lower than the true peak since the reset)."""
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    if reset:
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the peak resident set size to the current one
+    return peak
 
 
 class PeakMemory:

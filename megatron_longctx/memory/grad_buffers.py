@@ -17,12 +17,19 @@ A parameter gradient summed over tiles can go the same way into Megatron's ``mai
 (:func:`main_grad_of`, :func:`main_grad_placeholder`): its DDP gives each parameter a float32
 ``main_grad`` and, once ``grad_added_to_main_grad`` is set, skips adding the gradient autograd hands
 it (Megatron's gradient-accumulation-fusion protocol), so no sum of the plugin's own is held.
+
+The same protocol runs the other way inside a tile: with ``gradient_accumulation_fusion`` Megatron's
+linears (TE's and apex's too) add their weight gradient into ``main_grad`` themselves, set
+``grad_added_to_main_grad`` and return an unread placeholder (``tensor_parallel/layers.py``,
+``LinearWithGradAccumulationAndAsyncCommunication.backward``).  :meth:`ParamGrads.grad` clears the flag
+before each tile's ``torch.autograd.grad`` and drops what it returns for a parameter whose flag the
+tile's backward set: that gradient is in ``main_grad`` already.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -73,12 +80,27 @@ def main_grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
     return main
 
 
+_PLACEHOLDERS: dict = {}  # (shape, dtype, device) -> the one placeholder buffer of that kind
+
+
 def main_grad_placeholder(param: torch.Tensor) -> torch.Tensor:
     """What a backward returns for ``param`` once it added the gradient into ``main_grad`` itself: an
-    unread tensor of its shape (zeros under ``zero_out_wgrad``), with ``grad_added_to_main_grad`` set."""
-    make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
+    unread tensor of its shape (zeros under ``zero_out_wgrad``), with ``grad_added_to_main_grad`` set.
+
+    One buffer per shape, dtype and device serves every call (as TE's dummy weight gradient): a
+    parameter-sized allocation per parameter per backward would be ~1 GiB for a 128K-vocabulary bf16
+    output weight.  It is returned as a new tensor on that buffer's storage (``detach``), which autograd's
+    ``AccumulateGrad`` takes as ``.grad`` without copying it (a tensor referenced elsewhere is cloned);
+    Megatron's gradient hook then sets ``.grad`` to ``None``.
+    """
+    key = (tuple(param.shape), param.dtype, param.device)
+    buf = _PLACEHOLDERS.get(key)
+    if buf is None:
+        buf = _PLACEHOLDERS[key] = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+    if getattr(param, "zero_out_wgrad", False):
+        buf.zero_()  # Megatron adds this one into main_grad
     param.grad_added_to_main_grad = True
-    return make(param.shape, dtype=param.dtype, device=param.device)
+    return buf.detach()
 
 
 class ParamGrads:
@@ -90,7 +112,29 @@ class ParamGrads:
         self.params = params
         self.mains = [main_grad_of(p) for p in params]
         self.sums: list = [None] * len(params)
-        self.added = [False] * len(params)
+        self.added = [False] * len(params)  # some gradient of the parameter is in its main_grad
+        self._flagged = [hasattr(p, "grad_added_to_main_grad") for p in params]
+        self._flag_before = [bool(getattr(p, "grad_added_to_main_grad", False)) for p in params]
+
+    def grad(self, outputs: Any, inputs: tuple, grad_outputs: Any) -> tuple:
+        """``torch.autograd.grad(outputs, (*inputs, *params), grad_outputs)``: the parameters' gradients
+        are added here, the inputs' returned.  A parameter whose ``grad_added_to_main_grad`` the call's
+        backward set (a fused linear) has its gradient in ``main_grad`` already; what the call returned
+        for it is a placeholder of unread memory and is dropped."""
+        for p, flagged in zip(self.params, self._flagged):
+            if flagged:
+                p.grad_added_to_main_grad = False
+        got = torch.autograd.grad(outputs, (*inputs, *self.params), grad_outputs, allow_unused=True)
+        param_grads = list(got[len(inputs):])
+        for i, (p, flagged) in enumerate(zip(self.params, self._flagged)):
+            if flagged and p.grad_added_to_main_grad:
+                param_grads[i] = None
+                self.added[i] = True
+        self.add(tuple(param_grads))
+        for p, flagged, before, added in zip(self.params, self._flagged, self._flag_before, self.added):
+            if flagged:
+                p.grad_added_to_main_grad = before or added
+        return got[:len(inputs)]
 
     def add(self, grads: tuple) -> None:
         for i, g in enumerate(grads):
@@ -103,5 +147,9 @@ class ParamGrads:
                 self.sums[i] = g if self.sums[i] is None else self.sums[i].add_(g)
 
     def result(self) -> list:
-        return [main_grad_placeholder(p) if added else total
-                for p, added, total in zip(self.params, self.added, self.sums)]
+        out = []
+        for p, added, total in zip(self.params, self.added, self.sums):
+            if added and total is not None:  # a fused linear's main_grad that main_grad_of refused (not float32)
+                p.main_grad.add_(total)
+            out.append(main_grad_placeholder(p) if added else total)
+        return out

@@ -7,6 +7,12 @@ gathered K/V and dK/dV.  With ``--longctx-offload-residual-grad`` it stays on th
 instead (:class:`GradStream`: pinned host memory, or an unlinked file under the disk offload's run
 directory), and only a tile of it is on the device at a time.
 
+With the activation offloader at hand (:class:`Target` ``offloader``) the host buffer is a buffer of its
+pool (counted against ``--longctx-offload-host-pool-bytes``; past that bound the gradient stays on the
+device) and the rows travel on its side stream under its stream contract (:mod:`.streams`): a tile
+goes to the host once the compute stream has made it, without the compute stream waiting, and the
+next tile's rows come to the device while the current tile computes (double buffered).
+
 Autograd still needs a gradient tensor between the two nodes.  The producer hands the stream to the
 consumer node itself (:func:`hand_over`; the consumer is known at forward: the autograd node of the
 producer's input, which must be a plugin backward that reads streams, see :func:`consumer_of`) and
@@ -40,17 +46,27 @@ _READS_STREAMS = "_longctx_reads_grad_streams"  # on an autograd Function whose 
 class GradStream:
     """A ``[s, ...]`` gradient on the offload target, read and written a row range at a time.
 
-    ``disk_dir``: an unlinked file there (its space is freed when the stream is); else host memory,
-    pinned when CUDA is available.
+    ``disk_dir``: an unlinked file there (its space is freed when the stream is); else host memory: with
+    ``offloader`` (a device gradient) a buffer of its host pool, moved on its side stream; without, host
+    memory of its own, pinned when CUDA is available.  With ``offloader``, file rows are staged through
+    pinned memory: written rows go to the host on its side stream and to the file on its I/O worker (a
+    read of those rows waits for that write), rows read come to the device on its side stream.
     """
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                 disk_dir: Optional[str] = None) -> None:
+                 disk_dir: Optional[str] = None, offloader: Any = None) -> None:
         self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
         self.row_bytes = math.prod(self.shape[1:]) * torch.empty((), dtype=dtype).element_size()
         self._fd: Optional[int] = None
         self._host: Optional[torch.Tensor] = None
+        self._dense: Optional[torch.Tensor] = None  # past the pool's bound: the gradient stays on the device
+        self._off = None  # the offloader whose side stream moves the rows
+        self._stats = None if offloader is None else offloader.stats  # rows moved are counted there
+        self._ahead: Optional[tuple] = None  # ((lo, hi), buffer, event): the next rows, on their way
+        self._writes: list = []  # (lo, hi, future): rows on their way to the file (I/O worker)
         self.path = disk_dir
+        if offloader is not None and offloader.ops.is_device(torch.empty(0, device=device)):
+            self._off = offloader
         if disk_dir is not None:
             fd = None
             try:
@@ -63,16 +79,53 @@ class GradStream:
                 raise disk_error("creating the residual gradient's file", self.path, exc) from exc
             self._fd = fd
             weakref.finalize(self, os.close, fd)
+        elif self._off is not None:
+            nbytes = self.shape[0] * self.row_bytes
+            buf = offloader.pool.take(nbytes)  # [nbytes] uint8
+            if buf is None:
+                self._dense = torch.empty(self.shape, dtype=dtype, device=device)
+                offloader.stats.kept_over_bound_bytes += nbytes
+            else:
+                self._host = buf.view(dtype).view(self.shape)
+                # later users of a pool buffer order themselves on the same side stream
+                weakref.finalize(self, offloader.pool.give, buf)
         else:
             pin = torch.cuda.is_available() and device.type == "cuda"
             self._host = torch.empty(self.shape, dtype=dtype, pin_memory=pin)
 
-    def read(self, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` on the device (a new tensor: the caller may write into it)."""
+    def read(self, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
+        """Rows ``[lo, hi)`` on the device (a new tensor: the caller may write into it).  ``ahead``: the rows
+        ``(lo, hi)`` read next; on the offloader's side stream their copy starts now."""
+        if self._dense is not None:
+            return self._dense[lo:hi].clone()
+        if self._off is not None:
+            got, self._ahead = self._ahead, None
+            buf, event = got[1:] if got is not None and got[0] == (lo, hi) else self._to_device(lo, hi)
+            if ahead is not None:
+                self._ahead = (tuple(ahead), *self._to_device(*ahead))
+            # [(hi - lo) * row_bytes] uint8 -> [hi - lo, ...]
+            return self._off.rows_ready(buf, event).view(self.dtype).view(hi - lo, *self.shape[1:])
+        self._count(hi - lo)
         if self._host is not None:
             return self._host[lo:hi].to(self.device, copy=True)
         rows = torch.empty((hi - lo, *self.shape[1:]), dtype=self.dtype)
-        view = memoryview(rows.view(-1).view(torch.uint8).numpy())
+        self._pread(lo, hi, rows.view(-1).view(torch.uint8))
+        return rows.to(self.device)
+
+    def _count(self, rows: int) -> None:
+        if self._stats is not None:
+            self._stats.residual_grad_bytes += rows * self.row_bytes
+
+    def _pread(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Rows ``[lo, hi)`` of the file into ``out`` (host ``[(hi - lo) * row_bytes]`` uint8)."""
+        pending = []
+        for w in self._writes:  # these rows' writes first (a failed one raises here)
+            if w[0] < hi and lo < w[1]:
+                w[2].result()
+            elif not w[2].done():
+                pending.append(w)
+        self._writes = pending
+        view = memoryview(out.numpy())
         try:
             got = os.preadv(self._fd, [view], lo * self.row_bytes)
         except OSError as exc:
@@ -80,15 +133,50 @@ class GradStream:
         if got != len(view):
             raise disk_error(f"reading rows {lo}:{hi} of the residual gradient from", self.path,
                              OSError(5, f"read {got} of {len(view)} bytes"))
-        return rows.to(self.device)
+
+    def _to_device(self, lo: int, hi: int) -> tuple[torch.Tensor, Any]:
+        self._off.stats.residual_grad_bytes += (hi - lo) * self.row_bytes
+        if self._host is not None:  # last written on the same side stream: no event to wait for
+            return self._off.rows_to_device(self._host[lo:hi].reshape(-1).view(torch.uint8), self.device)
+        # staged through pinned memory (torch's cached host blocks: one is not reused before its copy has run)
+        staging = torch.empty((hi - lo) * self.row_bytes, dtype=torch.uint8, pin_memory=self._off.pool.pin)
+        self._pread(lo, hi, staging)
+        return self._off.rows_to_device(staging, self.device)
 
     def write(self, lo: int, hi: int, rows: torch.Tensor) -> None:
         """Rows ``[lo, hi)`` set to ``rows``."""
+        if self._dense is not None:
+            self._dense[lo:hi] = rows
+            return
+        if self._ahead is not None and self._ahead[0][0] < hi and lo < self._ahead[0][1]:
+            self._ahead = None  # fetched before this write: stale
+        if self._off is not None and self._host is not None:
+            src = rows.detach().to(self.dtype).contiguous().view(-1).view(torch.uint8)  # [(hi - lo) * row_bytes]
+            self._off.copy_to_host(self._host[lo:hi].view(-1).view(torch.uint8), src)
+            self._off.stats.residual_grad_bytes += src.numel()
+            return
         if self._host is not None:
             self._host[lo:hi].copy_(rows)
+            self._count(hi - lo)
             return
-        data = rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8).numpy()
-        view, offset = memoryview(data), lo * self.row_bytes
+        if self._off is not None and self._off.disk_dir is not None:  # the offloader's I/O worker writes
+            src = rows.detach().to(self.dtype).contiguous().view(-1).view(torch.uint8)  # [(hi - lo) * row_bytes]
+            staging = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=self._off.pool.pin)
+            copied = self._off.copy_to_host(staging, src)
+            self._writes.append((lo, hi, self._off.submit_io(self._write_staged, copied, lo, hi, staging)))
+            self._off.stats.residual_grad_bytes += src.numel()
+            return
+        self._pwrite(lo, hi, rows.detach().to("cpu", self.dtype).contiguous().view(-1).view(torch.uint8))
+        self._count(hi - lo)
+
+    def _write_staged(self, copied: Any, lo: int, hi: int, staging: torch.Tensor) -> None:
+        """On the I/O worker: once the copy to ``staging`` has landed, its rows into the file."""
+        self._off.ops.sync_event(copied)
+        self._pwrite(lo, hi, staging)
+
+    def _pwrite(self, lo: int, hi: int, data: torch.Tensor) -> None:
+        """Host ``[(hi - lo) * row_bytes]`` uint8 into rows ``[lo, hi)`` of the file."""
+        view, offset = memoryview(data.numpy()), lo * self.row_bytes
         try:
             while len(view):
                 done = os.pwrite(self._fd, view, offset)
@@ -98,13 +186,15 @@ class GradStream:
 
 
 class Target:
-    """Where streams go (the offload target of ``--longctx-offload-target``)."""
+    """Where streams go (the offload target of ``--longctx-offload-target``); ``offloader``: the
+    activation offloader whose host pool and side stream host streams use."""
 
-    def __init__(self, disk_dir: Optional[str] = None) -> None:
+    def __init__(self, disk_dir: Optional[str] = None, offloader: Any = None) -> None:
         self.disk_dir = disk_dir  # None: pinned host memory
+        self.offloader = offloader
 
     def new(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> GradStream:
-        return GradStream(shape, dtype, device, self.disk_dir)
+        return GradStream(shape, dtype, device, self.disk_dir, self.offloader)
 
 
 def reads_streams(function: type) -> type:

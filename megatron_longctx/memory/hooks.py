@@ -30,8 +30,9 @@ class RowPacker(Packer, Protocol):
     def pack_rows(self, tensor: torch.Tensor) -> Optional[Any]:
         """A packed object :meth:`unpack_rows` serves, or None to leave the tensor to the next packer."""
 
-    def unpack_rows(self, packed: Any, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` of the packed tensor, alone (the other rows stay where they are)."""
+    def unpack_rows(self, packed: Any, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of the packed tensor, alone (the other rows stay where they are); ``ahead``:
+        ``(lo, hi)`` of the rows read next, which may start coming back now."""
 
 
 class Observer(Protocol):
@@ -133,10 +134,10 @@ def wait_stored(item: tuple) -> bool:
     return True
 
 
-def unpack_rows(item: tuple, lo: int, hi: int) -> torch.Tensor:
-    """Rows ``[lo, hi)`` of a tensor :func:`pack_rows` packed."""
+def unpack_rows(item: tuple, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of a tensor :func:`pack_rows` packed (``ahead``: the rows read next)."""
     packer, packed = item
-    return packer.unpack_rows(packed, lo, hi)
+    return packer.unpack_rows(packed, lo, hi, ahead)
 
 
 @contextlib.contextmanager

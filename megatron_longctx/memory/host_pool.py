@@ -6,8 +6,10 @@ sizes (oldest first); if it still does not fit it is refused (``None``) and the 
 tensor on the device.  So the pool never holds more than its bound, whatever mix of sizes it sees.
 
 Pinned buffers come from PyTorch's caching host allocator, which rounds each block up to a power of
-two and keeps freed blocks: the pool charges the rounded size, and empties that cache after evicting,
-so evicted pinned memory really goes back to the system.
+two and keeps freed blocks: the pool charges the rounded size.  An evicted buffer's block goes back to
+that allocator's cache, which serves the next pinned requests from it; the cache is emptied only when
+the pool is cleared (:meth:`HostPool.clear`).  Emptying it on eviction, mid-forward, would synchronise
+the device and drop every other owner's cached pinned blocks (the data loader's, NCCL's, ...).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class HostPool:
 
     def take(self, nbytes: int) -> Optional[torch.Tensor]:
         """A buffer of exactly ``nbytes`` bytes, or None when the bound does not allow one."""
-        cost, evicted = self.charge(nbytes), False
+        cost = self.charge(nbytes)
         with self._lock:
             free = self._free.get(nbytes)
             if free:
@@ -61,17 +63,17 @@ class HostPool:
                     del self._free[size]
                 self.cached -= self.charge(size)
                 self.evicted_bytes += self.charge(size)
-                evicted = True
             self.used += cost
-        if evicted and self.pin:
-            torch._C._host_emptyCache()  # the evicted pinned blocks back to the system, not to torch's cache
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            return self._new(nbytes)
         except RuntimeError:
             with self._lock:
                 self.used -= cost
                 self.refused += 1
             return None
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         """Hand ``buf`` back; it is cached for the next request of its size."""
@@ -83,9 +85,10 @@ class HostPool:
             self._free.move_to_end(nbytes)
 
     def clear(self) -> None:
-        """Free every cached buffer."""
+        """Free every cached buffer, and give torch's cached pinned blocks back to the system."""
         with self._lock:
             self._free.clear()
             self.cached = 0
-        if self.pin:
-            torch._C._host_emptyCache()
+        empty_cache = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.14
+        if self.pin and empty_cache is not None:
+            empty_cache()

@@ -66,6 +66,7 @@ class OffloadStats:
     prefetched_groups: int = 0
     waited_copies: int = 0  # copies the offloader waited for because offload_max_inflight were pending
     param_refreshes: int = 0  # parameter address sets read (first use and after parameters moved)
+    residual_grad_bytes: int = 0  # streamed residual-gradient rows moved, both ways (:mod:`.grad_stream`)
 
 
 class _Stored:
@@ -82,27 +83,18 @@ class _Stored:
         self._copied: Any = None  # event of the device-to-host copy
         self._fetched: Any = None  # event of the host-to-device copy
         self._restored: Optional[torch.Tensor] = None
+        self._ahead: Optional[tuple] = None  # ((start, nbytes), buffer, event): the next row range, prefetched
 
     # -- forward: ``src`` is not kept; the caller drops the last reference the offloader has ------------
-    def _copy_off(self, src: torch.Tensor, host: torch.Tensor) -> Any:
-        ops, side = self._off.ops, self._off.side_stream(src.device)
-        ops.wait_stream(side, ops.current(src.device))  # the copy reads the finished tensor
-        with ops.use(side):
-            ops.copy(host, src)
-            event = ops.record_event(side)
-        ops.record_stream(src, side)  # its memory is not reused before the copy has landed
-        self._off.track_copy(event)
-        return event
-
     def start_to_host(self, src: torch.Tensor, host: torch.Tensor) -> None:
         self._host = host
-        self._copied = self._copy_off(src, host)
+        self._copied = self._off.copy_to_host(host, src)
 
     def start_to_disk(self, src: torch.Tensor, path: str, staging: Optional[torch.Tensor]) -> None:
         self._path = path
         if self.on_device:  # staged through a pinned buffer; the worker waits for the copy, then writes
             assert staging is not None
-            event = self._copied = self._copy_off(src, staging)
+            event = self._copied = self._off.copy_to_host(staging, src)
             self._write = self._off.submit_io(_write_staged, self._off, event, staging, path)
         else:  # a CPU process: the worker writes the tensor itself and then lets it go
             self._write = self._off.submit_io(write_file, src, path)
@@ -138,22 +130,29 @@ class _Stored:
         ops.record_stream(buf, side)
         return buf, fetched
 
-    def get_range(self, start: int, nbytes: int) -> torch.Tensor:
-        """Bytes ``[start, start + nbytes)`` of the storage back on its device, ``[nbytes]`` uint8, alone."""
+    def get_range(self, start: int, nbytes: int, ahead: Optional[tuple] = None) -> torch.Tensor:
+        """Bytes ``[start, start + nbytes)`` of the storage back on its device, ``[nbytes]`` uint8, alone.
+
+        ``ahead``: ``(start, nbytes)`` of the range the caller reads next; its copy is started now, into a
+        second buffer, so it runs while the caller computes on this one."""
         if self._restored is not None or self._read is not None or self._fetched is not None:
             return self.get()[start:start + nbytes]  # already coming back whole
-        ops = self._off.ops
-        if self._path is not None:
-            data = _read_after(self._write, self._path, nbytes, start)  # [nbytes] uint8 host
-            if not self.on_device:
-                return data
-            buf = ops.empty(nbytes, self.device)
-            ops.copy(buf, data)  # on the compute stream
-            return buf
-        assert self._host is not None and self.on_device
-        buf, fetched = self._from_host(self._host[start:start + nbytes])
-        ops.wait_event(ops.current(self.device), fetched)
-        return buf
+        if self._path is not None and not self.on_device:
+            return _read_after(self._write, self._path, nbytes, start)  # [nbytes] uint8 host
+        got, self._ahead = self._ahead, None
+        buf, event = got[1:] if got is not None and got[0] == (start, nbytes) else self._range_to_device(start, nbytes)
+        if ahead is not None:
+            self._ahead = (tuple(ahead), *self._range_to_device(*ahead))
+        return self._off.rows_ready(buf, event)
+
+    def _range_to_device(self, start: int, nbytes: int) -> tuple[torch.Tensor, Any]:
+        """A row range's copy to the device started on the side stream: (side-stream buffer, event)."""
+        if self._path is None:
+            assert self._host is not None and self.on_device
+            return self._off.rows_to_device(self._host[start:start + nbytes], self.device, self._copied)
+        # staged through pinned memory (torch's cached host blocks: one is not reused before its copy has run)
+        staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._off.pool.pin)
+        return self._off.rows_to_device(_read_after(self._write, self._path, nbytes, start, staging), self.device)
 
     def get(self) -> torch.Tensor:
         """The storage's bytes back on their device, ``[nbytes]`` uint8."""
@@ -204,10 +203,11 @@ def _write_staged(off: "ActivationOffloader", event: Any, staging: torch.Tensor,
         off.pool.give(staging)
 
 
-def _read_after(write: Optional[cf.Future], path: str, nbytes: int, offset: int = 0) -> torch.Tensor:
+def _read_after(write: Optional[cf.Future], path: str, nbytes: int, offset: int = 0,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     if write is not None:
         write.result()  # re-raises a failed write (DiskOffloadError)
-    return read_file(path, nbytes, offset)
+    return read_file(path, nbytes, offset, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,12 +352,17 @@ class ActivationOffloader:
             return None
         return self.pack(t, prefetchable=False)
 
-    def unpack_rows(self, view: _View, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` of the tensor :meth:`pack_rows` packed, read back alone."""
+    def unpack_rows(self, view: _View, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of the tensor :meth:`pack_rows` packed, read back alone; ``ahead``: the rows
+        ``(lo, hi)`` read next, whose copy starts now (:meth:`_Stored.get_range`)."""
         row = math.prod(view.size[1:])
         esize = torch.empty(0, dtype=view.dtype).element_size()
-        start, nbytes = (view.offset + lo * row) * esize, (hi - lo) * row * esize
-        data = view.stored.get_range(start, nbytes)  # [nbytes] uint8
+
+        def byte_range(lo: int, hi: int) -> tuple[int, int]:
+            return (view.offset + lo * row) * esize, (hi - lo) * row * esize
+
+        start, nbytes = byte_range(lo, hi)
+        data = view.stored.get_range(start, nbytes, None if ahead is None else byte_range(*ahead))  # [nbytes] uint8
         self.stats.fetched_bytes += nbytes
         self.stats.row_fetches += 1
         return data.view(view.dtype).view(hi - lo, *view.size[1:])
@@ -432,6 +437,41 @@ class ActivationOffloader:
             stored = ref()
             if stored is not None:
                 stored.prefetch()
+
+    # -- copies on the side stream (the stream contract of :mod:`.streams`) ---------------------------
+    def copy_to_host(self, host: torch.Tensor, src: torch.Tensor) -> Any:
+        """Start copying device ``src`` into ``host`` (pinned) on the side stream once the compute stream
+        has made it; returns the copy's event.  ``src`` may be dropped at once (``record_stream``)."""
+        ops, side = self.ops, self.side_stream(src.device)
+        ops.wait_stream(side, ops.current(src.device))  # the copy reads the finished tensor
+        with ops.use(side):
+            ops.copy(host, src)
+            event = ops.record_event(side)
+        ops.record_stream(src, side)  # its memory is not reused before the copy has landed
+        self.track_copy(event)
+        return event
+
+    def rows_to_device(self, host: torch.Tensor, device: torch.device, after: Any = None) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` (``[n]`` uint8) into a new buffer on ``device``: (buffer, event).
+
+        The buffer is a side-stream allocation, so the copy waits for no compute-stream work (only for
+        ``after``, the event of the copy that filled ``host``, if any); :meth:`rows_ready` hands it over."""
+        ops, side = self.ops, self.side_stream(device)
+        with ops.use(side):
+            buf = ops.empty(host.numel(), device)  # [n] uint8
+            if after is not None:
+                ops.wait_event(side, after)
+            ops.copy(buf, host)
+            event = ops.record_event(side)
+        return buf, event
+
+    def rows_ready(self, buf: torch.Tensor, event: Any) -> torch.Tensor:
+        """``buf`` from :meth:`rows_to_device` for the compute stream: it waits for that copy alone, and
+        the side stream does not reuse the memory before the compute stream is done with it."""
+        compute = self.ops.current(buf.device)
+        self.ops.wait_event(compute, event)
+        self.ops.record_stream(buf, compute)
+        return buf
 
     def track_copy(self, event: Any) -> None:
         """A device-to-host copy was queued: forget the landed ones, wait for the oldest past the bound."""

@@ -213,17 +213,27 @@ def write_file(data: torch.Tensor, path: str) -> None:
         raise disk_error(f"writing {len(view)} bytes to", path, exc) from exc
 
 
-def read_file(path: str, nbytes: int, offset: int = 0) -> torch.Tensor:
-    """The ``[nbytes]`` uint8 written to ``path`` from byte ``offset`` on."""
+def read_file(path: str, nbytes: int, offset: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The ``[nbytes]`` uint8 written to ``path`` from byte ``offset`` on; into ``out`` (host ``[nbytes]``
+    uint8, e.g. pinned memory) when given."""
     try:
-        data = np.fromfile(path, dtype=np.uint8, count=nbytes, offset=offset)
+        if out is None:
+            data = np.fromfile(path, dtype=np.uint8, count=nbytes, offset=offset)
+            got = data.size
+        else:
+            data = out.numpy()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [memoryview(data)], offset)
+            finally:
+                os.close(fd)
     except OSError as exc:
         raise disk_error(f"reading {nbytes} bytes from", path, exc) from exc
-    if data.size != nbytes:
-        raise DiskOffloadError(errno.EIO, f"{FLAG}: {path} holds {data.size} of {nbytes} bytes from byte {offset} "
+    if got != nbytes:
+        raise DiskOffloadError(errno.EIO, f"{FLAG}: {path} holds {got} of {nbytes} bytes from byte {offset} "
                                           "(truncated or removed while training; another process may share the "
                                           "directory)")
-    return torch.from_numpy(data)
+    return torch.from_numpy(data) if out is None else out
 
 
 def remove_file(path: str) -> None:

@@ -13,6 +13,13 @@ Contract (what the offloader does with these calls, and why it is safe):
   have just been freed by compute-stream work); ``wait_event(side, copied)``; the copy on ``side``;
   an event; ``record_stream(buf, side)``.  Before the tensor is handed to autograd,
   ``wait_event(compute, fetched)``.
+* **Rows back on the device** (a tile of a layer replayed in tiles, a tile of the residual gradient):
+  the buffer is a *side-stream* allocation, so the copy waits for no compute-stream work (only for the
+  event of the copy that filled the host rows, if that was another stream's); the next tile's copy is
+  started before this tile is handed over, into a second buffer.  Handing a tile over:
+  ``wait_event(compute, that tile's event)`` and ``record_stream(buf, compute)`` (the side stream does
+  not reuse the memory before the compute stream is done with it).  Rows going back to the host follow
+  the "off the device" order above.
 """
 
 from __future__ import annotations

@@ -205,10 +205,8 @@ def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, wei
                            h.reshape(-1, h.shape[-1]).to(grad_weight.dtype))  # [V/tp, h]
         del probs, grad_logits  # one [t, b, V/tp] tile alive at a time
         if args.norm is not None:
-            got = torch.autograd.grad(normed, (x, *norm_params), grad_h, allow_unused=True)
-            grad_h = got[0]
-            grad_norm.add(got[1:])
-            del normed, got
+            (grad_h,) = grad_norm.grad(normed, (x,), grad_h)
+            del normed
         if stream is not None:
             stream.write(start, end, grad_h)
         elif args.norm is not None:

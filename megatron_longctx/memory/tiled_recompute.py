@@ -20,7 +20,8 @@ buffer, or none on the device when they stream, :mod:`grad_stream`), the gathere
 one tile's activations (FPDT, Yao et al. 2024, arXiv:2408.16978, runs a layer in sequence chunks the
 same way); the layer input too, unless the checkpoint offload holds it (:func:`hooks.pack_rows`: each
 pass reads it back one tile at a time).  Parameter gradients are summed over the tiles (straight into
-Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`) and returned by one autograd node,
+Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`; a fused linear's own accumulation
+into ``main_grad`` is honoured, its placeholder dropped) and returned by one autograd node,
 so gradient hooks (Megatron's DDP) fire once per parameter, as without tiling.
 
 The core attention takes part through :func:`current`: while a replay is active it reads the
@@ -35,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -63,6 +64,17 @@ class ReplayStop(Exception):
     def __init__(self, outputs: tuple = (), grads: tuple = ()) -> None:
         super().__init__("tiled replay stopped at the core attention")
         self.outputs, self.grads = outputs, grads
+
+
+class RangeStack(Protocol):
+    """A profiler's stack of open ranges (Megatron's NVTX ranges): a tile stopped by :class:`ReplayStop`
+    leaves the ranges the layer pushed before its core attention open; the replay pops them."""
+
+    def depth(self) -> int:
+        """How many ranges are open."""
+
+    def pop_to(self, depth: int) -> None:
+        """Close the innermost ranges until ``depth`` are open."""
 
 
 @dataclasses.dataclass
@@ -127,12 +139,19 @@ class _TiledCall:
     out_spec: Any = None
     token_slots: Optional[list] = None  # output leaves with one row per token (concatenated over tiles)
     other_leaves: Optional[list] = None  # the remaining output leaves, as the first tile returned them
+    ranges: Optional[RangeStack] = None  # ranges the layer opens, closed when a tile stops mid-layer
 
     def run_tile(self, x_t: torch.Tensor, lo: int, hi: int) -> Any:
         kwargs = {k: (_rows(v, lo, hi) if k in PER_TOKEN_KWARGS else v) for k, v in self.kwargs.items()}
-        if self.positional:
-            return self.fn(x_t, *self.rest, **kwargs)
-        return self.fn(hidden_states=x_t, **kwargs)
+        depth = self.ranges.depth() if self.ranges is not None else 0
+        try:
+            if self.positional:
+                return self.fn(x_t, *self.rest, **kwargs)
+            return self.fn(hidden_states=x_t, **kwargs)
+        except ReplayStop:
+            if self.ranges is not None:
+                self.ranges.pop_to(depth)  # what the stopped tile pushed (the layer's and its attention's)
+            raise
 
 
 def _rows(value: Any, lo: int, hi: int) -> Any:
@@ -140,17 +159,22 @@ def _rows(value: Any, lo: int, hi: int) -> Any:
     return pytree.tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, value)
 
 
-Rows = Callable[[int, int], torch.Tensor]  # rows [lo, hi) of the layer input
+Rows = Callable[[int, int, Optional[tuple]], torch.Tensor]  # rows [lo, hi) of the layer input; the rows read next
+
+
+def _with_next(tiles: list) -> list:
+    """``[((lo, hi), the next tile or None), ...]``: a tile's reader may start fetching the next one."""
+    return list(zip(tiles, [*tiles[1:], None]))
 
 
 def _collect(call: _TiledCall, rows: Rows, seq_len: int, with_grads: bool) -> _Replay:
     """Pass 1: every tile's K/V stored by the core attention, then gathered."""
     replay = _Replay(seq_len=seq_len)
     with torch.no_grad(), _active(replay):
-        for lo, hi in tile_bounds(seq_len, call.num_tiles):
+        for (lo, hi), ahead in _with_next(tile_bounds(seq_len, call.num_tiles)):
             replay.lo, replay.hi = lo, hi
             try:
-                call.run_tile(rows(lo, hi), lo, hi)
+                call.run_tile(rows(lo, hi, ahead), lo, hi)
             except ReplayStop:
                 continue
             raise ValueError("--longctx-recompute-tiles: the layer ran to its end without reaching the plugin's "
@@ -167,7 +191,7 @@ def _forward(call: _TiledCall, x: torch.Tensor,
     ``over_input``: the first output, when it has the input's shape and dtype, is written over ``x``
     (each tile's rows once the tile has run; pass 1 has read every row before); called once before the
     first write, it returns when ``x``'s memory may be overwritten."""
-    replay = _collect(call, lambda lo, hi: x[lo:hi], x.shape[0], with_grads=False)
+    replay = _collect(call, lambda lo, hi, ahead: x[lo:hi], x.shape[0], with_grads=False)
     replay.mode = ATTEND
     outs: list[torch.Tensor] = []
     with torch.no_grad(), _active(replay):
@@ -198,10 +222,10 @@ class _OutputGrad:
     def __init__(self, dense: Optional[torch.Tensor], stream: Optional[grad_stream.GradStream]) -> None:
         self.dense, self.stream = dense, stream
 
-    def rows(self, lo: int, hi: int) -> torch.Tensor:
+    def rows(self, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
         if self.stream is None:
             return self.dense[lo:hi]
-        rows = self.stream.read(lo, hi)
+        rows = self.stream.read(lo, hi, ahead)
         return rows if self.dense is None else rows.add_(self.dense[lo:hi])
 
 
@@ -223,7 +247,8 @@ class _InputGrad:
     def put(self, lo: int, hi: int, rows: Optional[torch.Tensor]) -> None:
         if self.stream is not None:
             shape, dtype, device = self.like
-            self.stream.write(lo, hi, rows if rows is not None else torch.zeros((hi - lo, *shape[1:]), dtype=dtype))
+            self.stream.write(lo, hi, rows if rows is not None
+                              else torch.zeros((hi - lo, *shape[1:]), dtype=dtype, device=device))
         elif rows is not None:
             self.dense[lo:hi] = rows
         else:
@@ -234,15 +259,16 @@ class _InputGrad:
             shape, dtype, device = self.like
             self.dense = torch.empty(shape, dtype=dtype, device=device)
 
-    def add(self, lo: int, hi: int, rows: Optional[torch.Tensor]) -> None:
+    def add(self, lo: int, hi: int, rows: Optional[torch.Tensor], ahead: Optional[tuple] = None) -> None:
         if self.stream is None:
             if rows is not None:
                 self.dense[lo:hi] += rows
         elif self.onward:
             if rows is not None:
-                self.stream.write(lo, hi, self.stream.read(lo, hi).add_(rows))
+                self.stream.write(lo, hi, self.stream.read(lo, hi, ahead).add_(rows))
         else:
-            self.dense[lo:hi] = self.stream.read(lo, hi) if rows is None else self.stream.read(lo, hi).add_(rows)
+            self.dense[lo:hi] = (self.stream.read(lo, hi, ahead) if rows is None
+                                 else self.stream.read(lo, hi, ahead).add_(rows))
 
 
 def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads: list) -> list:
@@ -257,38 +283,33 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
     dparams = grad_buffers.ParamGrads(params)
     tiles = tile_bounds(seq_len, call.num_tiles)
     replay.mode = ATTEND
-    for lo, hi in tiles:
+    for (lo, hi), ahead in _with_next(tiles):
         replay.lo, replay.hi = lo, hi
-        x_t = rows(lo, hi).detach().requires_grad_(True)
+        x_t = rows(lo, hi, ahead).detach().requires_grad_(True)
         with torch.enable_grad(), _active(replay):
             leaves = pytree.tree_leaves(call.run_tile(x_t, lo, hi))
         outs, out_grads = [], []
         for i, g in zip(call.token_slots, grads):
             if g is not None and leaves[i].requires_grad:
                 outs.append(leaves[i])
-                out_grads.append(g.rows(lo, hi))
-        if outs:
-            got = torch.autograd.grad(outs, (x_t, *params), out_grads, allow_unused=True)
-            dparams.add(got[1:])
-        else:
-            got = (None,)
+                out_grads.append(g.rows(lo, hi, ahead))
+        got = dparams.grad(outs, (x_t,), out_grads) if outs else (None,)
         dx.put(lo, hi, got[0])
         del leaves, outs, out_grads, got
     replay.state.reduce_grads()
     dx.begin_kv_pass()
     replay.mode = KV_GRAD
-    for lo, hi in tiles:
+    for (lo, hi), ahead in _with_next(tiles):
         replay.lo, replay.hi = lo, hi
-        x_t = rows(lo, hi).detach().requires_grad_(True)
+        x_t = rows(lo, hi, ahead).detach().requires_grad_(True)
         try:
             with torch.enable_grad(), _active(replay):
                 call.run_tile(x_t, lo, hi)
         except ReplayStop as stop:
-            got = torch.autograd.grad(stop.outputs, (x_t, *params), stop.grads, allow_unused=True)
+            got = dparams.grad(stop.outputs, (x_t,), stop.grads)
         else:
             raise RuntimeError("tiled replay: the layer did not stop at its core attention in the K/V pass")
-        dx.add(lo, hi, got[0])
-        dparams.add(got[1:])
+        dx.add(lo, hi, got[0], ahead)
         del got
     replay.state.release()
     return dparams.result()
@@ -330,7 +351,7 @@ class TiledCheckpointFunction(torch.autograd.Function):
         item, ctx.rows_item = ctx.rows_item, None  # the offloaded copy is released with this backward
         if item is None:
             x = ctx.saved_tensors[0].detach()
-            rows: Rows = lambda lo, hi: x[lo:hi]  # noqa: E731
+            rows: Rows = lambda lo, hi, ahead: x[lo:hi]  # noqa: E731
         else:
             rows = functools.partial(hooks.unpack_rows, item)
         shape, dtype, device = ctx.input_like
@@ -357,7 +378,7 @@ class TiledCheckpointFunction(torch.autograd.Function):
 
 def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any,
                      grad_target: Optional[grad_stream.Target] = None, output_over_input: bool = False,
-                     **kwargs: Any) -> Any:
+                     ranges: Optional[RangeStack] = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a transformer layer) kept as its input and replayed in ``num_tiles`` tiles.
 
     The first argument (or ``hidden_states``) is ``[s, b, h]``, cut along ``s``; the rotary
@@ -366,7 +387,8 @@ def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *a
     from the first tile.  ``grad_target``: the input's gradient may stream there (:mod:`grad_stream`).
     ``output_over_input``: the first output is written over the input's memory when the checkpoint
     offload holds the input's values (an in-place op on the input, as ``x.add_(...)``: the caller's
-    tensor then holds the output).  Without grad mode this is ``fn(*args, **kwargs)``.
+    tensor then holds the output).  ``ranges``: the profiler ranges ``fn`` opens (Megatron's NVTX stack),
+    closed again when a tile stops at the core attention.  Without grad mode this is ``fn(*args, **kwargs)``.
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
@@ -380,7 +402,8 @@ def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *a
         raise ValueError("--longctx-recompute-tiles: only the layer's hidden states may require grad "
                          "(another tensor argument does); set --longctx-recompute-tiles 0")
     call = _TiledCall(fn=fn, positional=bool(args), rest=tuple(args[1:]), kwargs=kwargs, num_tiles=num_tiles,
-                      rng=RngSnapshot.capture(), grad_target=grad_target, output_over_input=output_over_input)
+                      rng=RngSnapshot.capture(), grad_target=grad_target, output_over_input=output_over_input,
+                      ranges=ranges)
     trainable = tuple(p for p in params() if p.requires_grad)
     outs = TiledCheckpointFunction.apply(call, x, *trainable)
     leaves = list(call.other_leaves)

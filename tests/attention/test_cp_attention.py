@@ -1,9 +1,11 @@
 """cp_attention against a float64 single-process oracle, on 2 and 4 gloo ranks.
 
-Each rank builds the same global q/k/v, takes its shard with ``shard_sequence``, runs ``cp_attention``
-forward and backward, all-gathers output and gradients with ``unshard_sequence`` and compares them
-with plain autograd attention over the whole sequence in float64.  Each case is its own test
-(the ranks are spawned once per world size and reused).
+Each rank builds the same global q/k/v, takes its zigzag shard (chunks ``r`` and ``2cp-1-r`` of ``2cp``,
+cut here by the test from the rule, not by ``shard_sequence``: a layout bug in the package must not
+cancel out), runs ``cp_attention`` forward and backward, all-gathers output and gradients, puts the
+chunks back in natural order the same way and compares them with plain autograd attention over the
+whole sequence in float64.  ``shard_sequence``/``unshard_sequence`` are checked against the rule
+directly.  Each case is its own test (the ranks are spawned once per world size and reused).
 
 Tolerances (atol = rtol unless said): float64 1e-10 (only the order of the sums differs); float32
 1e-5 (measured <= 1e-6); bfloat16 (inputs rounded to bfloat16, oracle in float64 on the rounded
@@ -45,6 +47,23 @@ class Case:
     backend: str | None = None  # block kernel; None = automatic (cpu_flash on CPU)
 
 
+def _zigzag_shard(x: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """The rule, written here: ``[s, ...]`` -> ``[s/cp, ...]``, chunks ``rank`` and ``2cp-1-rank`` of ``2cp``."""
+    c = x.shape[0] // (2 * cp)
+    return torch.cat([x[rank * c:(rank + 1) * c], x[(2 * cp - 1 - rank) * c:(2 * cp - rank) * c]])
+
+
+def _zigzag_unshard(x_local: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`_zigzag_shard` over ``group``: ``[s/cp, ...]`` on every rank -> ``[s, ...]``."""
+    cp = dist.get_world_size(group)
+    shards = [torch.empty_like(x_local) for _ in range(cp)]
+    dist.all_gather(shards, x_local.contiguous(), group=group)  # cp x [s/cp, ...]
+    chunks = [None] * (2 * cp)
+    for r, shard in enumerate(shards):
+        chunks[r], chunks[2 * cp - 1 - r] = shard.chunk(2)  # [s/(2cp), ...] each
+    return torch.cat(chunks)  # [s, ...]
+
+
 def _inputs(case: Case, cp: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     s = 2 * cp * case.chunk
@@ -69,17 +88,17 @@ def _check_case(case: Case, seed: int, group=None, hcp_groups=None):
     ref_out = sequence_attention(*ref_in, case.causal, case.window, scale)
     ref_grads = torch.autograd.grad(ref_out, ref_in, dout.to(torch.float64))
 
-    local = [shard_sequence(t, rank, cp, seq_dim=0).requires_grad_() for t in (q, k, v)]
+    local = [_zigzag_shard(t, rank, cp).requires_grad_() for t in (q, k, v)]
     extra = {"hcp_groups": hcp_groups} if hcp_groups is not None else {"ulysses_size": case.ulysses_size}
     out = cp_attention(*local, group, algorithm=case.algorithm, causal=case.causal, window_size=case.window,
                        backend=case.backend, **extra)
-    out.backward(shard_sequence(dout, rank, cp, seq_dim=0))
+    out.backward(_zigzag_shard(dout, rank, cp))
 
     assert out.dtype == case.dtype and out.shape == local[0].shape[:3] + (case.d_v,)
     assert all(t.grad.dtype == case.dtype for t in local)
     # One all-gather for out, dq, dk, dv: [s/cp, b, h, d] each -> [s/cp, b, sum(h*d)] -> [s, b, sum(h*d)]
     results = [out.detach()] + [t.grad for t in local]
-    gathered = unshard_sequence(torch.cat([r.flatten(2) for r in results], dim=2), group, 0).double()
+    gathered = _zigzag_unshard(torch.cat([r.flatten(2) for r in results], dim=2), group).double()
     pieces = gathered.split([r[0, 0].numel() for r in results], dim=2)
     atol_out, atol_grad, rtol = TOL[case.dtype]
     for name, piece, result, ref in zip(["out", "dq", "dk", "dv"], pieces, results, (ref_out.detach(), *ref_grads)):
@@ -131,6 +150,32 @@ def case_id(case: Case) -> str:
                          ids=[f"cp{w}-{i}-{case_id(c)}" for w in (2, 4) for i, c in enumerate(_cases(w))])
 def test_matches_float64_reference(world_size, seed, case):
     run_ranks(world_size, _check_case, case, seed)
+
+
+def test_shard_sequence_takes_chunks_r_and_mirror():
+    for cp in (1, 2, 3, 4):
+        x = torch.arange(2 * cp * 3 * 2).view(2, 2 * cp * 3)  # [b, s]: token i holds i (+ s in row 1)
+        s = x.shape[1]
+        for r in range(cp):
+            chunks = (r, 2 * cp - 1 - r)
+            expected = torch.tensor([j * 3 + t for j in chunks for t in range(3)])  # token ids of the two chunks
+            assert torch.equal(shard_sequence(x, r, cp, seq_dim=1), torch.stack([expected, expected + s])), (cp, r)
+
+
+def _unshard_inverts_shard(cp_seq_dims):
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    for seq_dim in cp_seq_dims:
+        x = torch.arange(2 * cp * 5 * 3).view(*([2 * cp * 5, 3] if seq_dim == 0 else [3, 2 * cp * 5]))
+        local = shard_sequence(x, rank, cp, seq_dim)
+        assert torch.equal(unshard_sequence(local, dist.group.WORLD, seq_dim), x)
+        if seq_dim == 0:
+            assert torch.equal(local, _zigzag_shard(x, rank, cp))
+    return True
+
+
+def test_unshard_sequence_inverts_shard_sequence():
+    # cp=4 only: the pool of the last cases above is reused (cp=2 is the same code with fewer chunks)
+    assert run_ranks(4, _unshard_inverts_shard, (0, 1)) == [True] * 4
 
 
 def _run_with_zero(module: str, limit: str, cases):

@@ -240,3 +240,5 @@ def test_balance_bench_counts_the_same_work_and_balances_it(tmp_path):
     assert res["schemes"]["zigzag-doc"]["max_over_min"] == 1.0  # every document length divisible by 2*cp
     assert res["schemes"]["contiguous"]["max_over_min"] > 10
     assert res["kernel_calls_per_rank"] == [17 * cp] * cp
+    # a variable-length backend: one call per step (each step's blocks are all of one kind)
+    assert res["varlen_calls_per_rank"] == [cp] * cp

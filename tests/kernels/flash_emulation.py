@@ -5,7 +5,9 @@ arguments (``csrc/flash_attn/flash_api.cpp``, mha_fwd/mha_bwd and set_params_fpr
 aligned causal/windows, window sides ``>= seqlen_k`` rewritten to unbounded, an unbounded right side
 next to a bounded left side rewritten to ``seqlen_k``, ``causal`` dropped for one query row, rows
 that see nothing returned with ``out = 0`` and ``lse = +inf``.  They also insist on what the kernel
-requires: equal head dims that are multiples of 8, no varlen, no dropout.
+requires: equal head dims that are multiples of 8, no dropout.  The variable-length path (``cum_seq_q``/
+``cum_seq_k`` given: q ``[T, h, d]``, lse ``[h, T]``) applies the same rules to each sequence, its
+rewrites judged against ``max_q``/``max_k`` as mha_varlen_fwd judges them.
 """
 
 from __future__ import annotations
@@ -24,43 +26,76 @@ def band(s_q: int, s_k: int, lo, hi) -> torch.Tensor:
     return seen
 
 
-def flash2_visible(s_q: int, s_k: int, causal: bool, left: int, right: int) -> torch.Tensor:
-    """The pairs flash-attn 2 computes for these arguments, after its rewrites."""
-    left = -1 if left >= s_k else left
-    right = -1 if right >= s_k else right
-    if s_q == 1:
+def flash2_visible(s_q: int, s_k: int, causal: bool, left: int, right: int, max_q: int | None = None,
+                   max_k: int | None = None) -> torch.Tensor:
+    """The pairs flash-attn 2 computes for these arguments, after its rewrites (which a variable-length
+    call judges by the longest sequences, ``max_q``/``max_k``)."""
+    max_q, max_k = max_q or s_q, max_k or s_k
+    left = -1 if left >= max_k else left
+    right = -1 if right >= max_k else right
+    if max_q == 1:
         causal = False
     if causal:
         right = 0
     if left < 0 and right >= 0:
-        left = s_k
+        left = max_k
     if left >= 0 and right < 0:
-        right = s_k
+        right = max_k
     if left < 0 and right < 0:
         return torch.ones(s_q, s_k, dtype=torch.bool)
     shift = s_k - s_q
     return band(s_q, s_k, shift - left, shift + right)
 
 
-def _checked(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, causal, left, right):
-    assert cum_q is None and cum_k is None, "the dense path takes no cum_seq"
+def _checked(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, causal, left, right, varlen=False):
     assert dropout_p == 0.0
     assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0, "flash needs one 8-aligned head dim"
-    assert q.shape[2] % k.shape[2] == 0 and (max_q, max_k) == (q.shape[1], k.shape[1])
+    assert q.shape[2] % k.shape[2] == 0
+    if not varlen:
+        assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[1], k.shape[1])
     left = -1 if left is None else left
     right = -1 if right is None else right
     assert isinstance(left, int) and isinstance(right, int) and left >= -1 and right >= -1
-    seen = flash2_visible(q.shape[1], k.shape[1], causal, left, right)
+    seen = flash2_visible(q.shape[1], k.shape[1], causal, left, right, max_q, max_k)
     g = q.shape[2] // k.shape[2]
     kx, vx = (t.to(torch.float64).repeat_interleave(g, dim=2) for t in (k, v))  # [b, s_k, h_q, d]
     s = torch.einsum("bqhd,bkhd->bhqk", q.to(torch.float64), kx)
     return s, seen, kx, vx, g
 
 
+def _sequences(cum_q, cum_k, max_q, max_k):
+    """(q rows, k rows) of each sequence of a variable-length call, checked against the stated maxima."""
+    assert cum_q.dtype == cum_k.dtype == torch.int32 and cum_q.shape == cum_k.shape and cum_q.dim() == 1
+    cq, ck = cum_q.tolist(), cum_k.tolist()
+    seqs = [(slice(a, b), slice(c, d)) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
+    assert max(b - a for a, b in zip(cq, cq[1:])) <= max_q and max(d - c for c, d in zip(ck, ck[1:])) <= max_k
+    return seqs, cq[-1], ck[-1]
+
+
 def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
                   *, scale=None, window_size_left=None, window_size_right=None):
+    if cum_seq_q is not None:  # q [T, h, d], k/v [T_k, h_kv, d] -> out [T, h, d], lse [h, T]
+        assert query.dim() == key.dim() == 3
+        seqs, total_q, total_k = _sequences(cum_seq_q, cum_seq_k, max_q, max_k)
+        assert (total_q, total_k) == (query.shape[0], key.shape[0])
+        out = torch.empty_like(query)
+        lse = torch.empty(query.shape[1], total_q, dtype=torch.float64 if query.dtype == torch.float64 else
+                          torch.float32)
+        for rows, keys in seqs:
+            o, l = _dense_forward(query[rows][None], key[keys][None], value[keys][None], cum_seq_q, cum_seq_k,
+                                  max_q, max_k, dropout_p, is_causal, scale, window_size_left, window_size_right,
+                                  varlen=True)
+            out[rows], lse[:, rows] = o[0], l[0]
+        return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(()), torch.empty(0)
+    out, lse = _dense_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
+                              window_size_left, window_size_right)
+    return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(()), torch.empty(0)
+
+
+def _dense_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
+                   window_size_left, window_size_right, varlen=False):
     s, seen, _, vx, _ = _checked(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                                 window_size_left, window_size_right)
+                                 window_size_left, window_size_right, varlen)
     s = (s * scale).masked_fill(~seen, float("-inf"))  # [b, h, s_q, s_k]
     lse = torch.logsumexp(s, dim=-1)
     dead = torch.isneginf(lse)
@@ -68,13 +103,29 @@ def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout
     out = torch.einsum("bhqk,bkhd->bqhd", p, vx).to(query.dtype)
     lse = lse.masked_fill(dead, float("inf"))  # flash-attn 2 marks empty rows with +inf
     lse = lse.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
-    return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(()), torch.empty(0)
+    return out, lse
 
 
 def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                    is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
+    if cum_seq_q is not None:  # packed rows as in flash_forward; logsumexp [h, T]
+        assert query.dim() == 3 and logsumexp.shape == (query.shape[1], query.shape[0])
+        seqs, _, _ = _sequences(cum_seq_q, cum_seq_k, max_q, max_k)
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        for rows, keys in seqs:
+            g = _dense_backward(grad_out[rows][None], query[rows][None], key[keys][None], value[keys][None],
+                                out[rows][None], logsumexp[:, rows][None].contiguous(), cum_seq_q, cum_seq_k, max_q,
+                                max_k, dropout_p, is_causal, scale, window_size_left, window_size_right, varlen=True)
+            dq[rows], dk[keys], dv[keys] = (x[0] for x in g)
+        return dq, dk, dv
+    return _dense_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                           is_causal, scale, window_size_left, window_size_right)
+
+
+def _dense_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                    is_causal, scale, window_size_left, window_size_right, varlen=False):
     s, seen, kx, vx, g = _checked(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                                  window_size_left, window_size_right)
+                                  window_size_left, window_size_right, varlen)
     assert grad_out.dtype == out.dtype == query.dtype and logsumexp.is_contiguous()
     s = (s * scale).masked_fill(~seen, float("-inf"))
     p = torch.exp(s - logsumexp.to(torch.float64).unsqueeze(-1))  # +inf lse -> 0

@@ -120,3 +120,39 @@ def test_gqa_by_expansion_matches_reference(monkeypatch, case_name):
     got = cpu_flash.backward(dout, q, k, v, out, lse, case.args())
     for g, w in zip(got, reference.backward(dout, q, k, v, want_out, want_lse, case.args())):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_computes_each_visible_pair_once_and_masks_only_narrow_windows(case, monkeypatch):
+    """Cost, counted per op call: the pairs an unmasked call scores (all of them, or the top-left causal
+    triangle) plus the visible entries of each additive mask add up to the block's visible pairs, in
+    forward and in backward; causal and full blocks take no mask at all (only a band narrower than its
+    piece is masked)."""
+    calls = {"forward": [], "backward": []}
+
+    def pairs(s_q, s_k, causal, mask):
+        if mask is not None:
+            return int((mask == 0).sum()), mask.numel()
+        return (sum(min(i + 1, s_k) for i in range(s_q)) if causal else s_q * s_k), 0
+
+    def forward(q, k, v, scale, causal, mask=None):
+        calls["forward"].append(pairs(q.shape[1], k.shape[1], causal, mask))
+        return op_forward(q, k, v, scale, causal, mask)
+
+    def backward(dout, q, k, v, out, lse, scale, causal, mask=None):
+        calls["backward"].append(pairs(q.shape[1], k.shape[1], causal, mask))
+        return op_backward(dout, q, k, v, out, lse, scale, causal, mask)
+
+    cpu_flash.native_gqa()  # its one probe of the op is not the block's cost
+    op_forward, op_backward = cpu_flash._op_forward, cpu_flash._op_backward
+    monkeypatch.setattr(cpu_flash, "_op_forward", forward)
+    monkeypatch.setattr(cpu_flash, "_op_backward", backward)
+    q, k, v, dout = make_inputs(case, torch.float32)
+    args = case.args()
+    out, lse = cpu_flash.forward(q, k, v, args)
+    cpu_flash.backward(dout, q, k, v, out, lse, args)
+    visible = int(case.mask.dense(case.q_start, case.s_q, case.k_start, case.s_k).sum())
+    for direction, counted in calls.items():
+        assert sum(p for p, _ in counted) == visible, (direction, counted, visible)
+        if case.mask.window == (-1, -1):
+            assert all(m == 0 for _, m in counted), (direction, "a causal or full block took a mask", counted)

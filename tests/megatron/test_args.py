@@ -189,3 +189,14 @@ def test_recompute_tiles_refused_combinations_name_the_flag(given, message):
                                    dict(context_parallel_size=1, cp_comm_type="p2p")])
 def test_recompute_tiles_accepted_with_all_gather_or_one_cp_rank(given):
     assert check_after_parsing(_ns(**{**TILED_FULL, **given})).memory.recompute_tiles == 4
+
+
+@pytest.mark.parametrize("window, message", [
+    ((-2, 0), "--window-size -2,0: each side is a number of tokens"),
+    ((128, 4), "--window-size 128,4: the model's attention is causal.*--window-size 128,0"),
+    ((1024, 0), "--window-size 1024,0: the left side covers the whole --seq-length 1024"),
+])
+def test_a_window_that_does_not_fit_is_refused_naming_the_flag(window, message):
+    with pytest.raises(ValueError, match=message):
+        check_after_parsing(_ns(window_size=window, seq_length=1024))
+    assert check_after_parsing(_ns(window_size=(1023, 0), seq_length=1024)) is not None

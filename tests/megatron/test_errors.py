@@ -23,9 +23,11 @@ def test_hybrid_needs_its_group_size():
         cp_attention(attention_config(cp_comm_type="a2a+p2p"))
 
 
-def test_softmax_type_attention_bias_cross_attention():
-    with pytest.raises(ValueError, match="--softmax-type"):
-        cp_attention(attention_config(softmax_type="off-by-one"))
+def test_softmax_type_window_pattern_attention_bias_cross_attention():
+    with pytest.raises(ValueError, match="--softmax-type 'softer' is not one of vanilla, off-by-one, learnable"):
+        cp_attention(attention_config(softmax_type="softer"))
+    with pytest.raises(ValueError, match="--window-attn-skip-freq lists 3 layers but --num-layers is 2"):
+        cp_attention(attention_config(window_size=(4, 0), window_attn_skip_freq=[1, 0, 1]))
     q, k, v, _ = qkv_inputs()
     with pytest.raises(ValueError, match="attention_bias"):
         cp_attention()(q, k, v, None, attention_bias=torch.zeros(1))

@@ -82,6 +82,23 @@ def test_resume_without_the_adam_state_differs(job, tmp_path):
     assert resumed[5] != plugin[5] and resumed[6] != plugin[6]
 
 
+def test_attention_sinks_match_baseline_megatron(job, tmp_path):
+    """A gpt-oss-style model (learnable sinks, SwiGLU, RMSNorm, GQA, RoPE) at CP=2 trains as Megatron's own
+    attention (SoftmaxOne) does at CP=1: losses and grad norms, so the sinks' gradients are reduced over the
+    CP ranks once (DDP's dp_cp) and the optimizer moves them alike.  (Megatron's local attention builds its
+    window mask on "cuda", so the alternating windows are compared CP=2 to CP=1 in test_pretrain_gpt_script.)"""
+    out = str(tmp_path / "run")
+    proc = main_job.run(out, job["data"], "--train-iters", "3", "--baseline-steps", "3", "--no-resume-check",
+                        "--softmax-type", "learnable", "--swiglu", "--normalization", "RMSNorm",
+                        "--disable-bias-linear")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plugin, base = main_job.metrics(out, "plugin-cp2"), main_job.metrics(out, "baseline-cp1")
+    assert [r["step"] for r in plugin] == [r["step"] for r in base] == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in plugin]), torch.tensor([r[key] for r in base]),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--context-parallel-size", "0"], "--context-parallel-size 0"),
     (["--num-attention-heads", "0"], "--num-attention-heads 0"),
@@ -95,6 +112,11 @@ def test_resume_without_the_adam_state_differs(job, tmp_path):
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0"),
     (["--nproc-per-node", "0"], "--nproc-per-node 0"),
     (["--attention-dropout", "0.1"], "set --attention-dropout 0"),  # a flag run takes (Megatron's)
+    (["--train-iters", "4", "--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --train-iters 4"),
+    (["--lr", "1e-4"], "--lr 0.0001 is below --min-lr 0.0002"),
+    (["--window-size", "64,2"], "--window-size 64,2: the model's attention is causal"),
+    (["--window-size", "256,0"], "--window-size 256,0: the left side covers the whole --seq-length 256"),
+    (["--lr-decay-iters", "2"], "--lr-warmup-iters 2 must be below --lr-decay-iters 2"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(tmp_path, capsys, flags, named):
     main_job.skip_without_megatron_training()

@@ -26,7 +26,10 @@ from tests.megatron_lm import (
 
 ITERS = ("--train-iters", "3")
 ROPE_GQA = ("--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2")
-VARIANTS = {"learned": (), "rope_gqa": ROPE_GQA}
+# gpt-oss's shape: learnable attention sinks, sliding-window layers alternating with full ones, SwiGLU, RMSNorm
+GPT_OSS = (*ROPE_GQA, "--softmax-type", "learnable", "--window-size", "48,0", "--window-attn-skip-freq", "2",
+           "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear")
+VARIANTS = {"learned": (), "rope_gqa": ROPE_GQA, "gpt_oss": GPT_OSS}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def cp1_losses(script):
 
 
 @pytest.mark.parametrize("comm, variant", [("p2p", "learned"), ("all_gather", "learned"), ("a2a", "learned"),
-                                           ("p2p", "rope_gqa")])
+                                           ("p2p", "rope_gqa"), ("p2p", "gpt_oss"), ("a2a", "gpt_oss"),
+                                           ("all_gather", "gpt_oss")])
 def test_cp2_equals_cp1(script, cp1_losses, comm, variant):
     run = run_script(script, [*TINY_GPT, *ITERS, *VARIANTS[variant], "--context-parallel-size", "2",
                               "--cp-comm-type", comm]).check()

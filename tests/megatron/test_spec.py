@@ -102,14 +102,24 @@ def test_te_structured_spec():
     assert out.submodules.self_attention.submodules.linear_qkv is te["TELayerNormColumnParallelLinear"]
 
 
-def test_te_spec_when_buildable():
+def _import_or_skip(module: str, absent: tuple[str, ...] = ()):
+    """Import ``module``; skip only when it (or a parent package) is missing from this Megatron-Core, or
+    when the module it lacks is one of the optional packages named in ``absent``.  Any other import
+    failure is a failure."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module == missing or module.startswith(missing + ".") or missing.split(".")[0] in absent:
+            pytest.skip(f"{module}: {missing} is not installed")
+        raise
+
+
+def test_te_spec():
+    pytest.importorskip("transformer_engine")
     from megatron.core.models.gpt import gpt_layer_specs
 
-    try:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    except Exception as exc:  # noqa: BLE001 - TE missing: the getter itself fails
-        pytest.skip(f"get_gpt_layer_with_transformer_engine_spec needs Transformer Engine here ({type(exc).__name__})")
-    _check(spec, 1)
+    _check(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), 1)
 
 
 def test_cross_attention_is_left_alone():
@@ -127,10 +137,7 @@ def test_cross_attention_is_left_alone():
 
 
 def test_hybrid_stack_spec():
-    try:
-        hybrid = importlib.import_module("megatron.core.models.hybrid.hybrid_layer_specs")
-    except ImportError as exc:
-        pytest.skip(f"no HybridModel layer specs in this Megatron-Core ({exc})")
+    hybrid = _import_or_skip("megatron.core.models.hybrid.hybrid_layer_specs")
     spec = hybrid.hybrid_stack_spec
     out = _check(spec, 2)  # attention_layer and mla_layer; the DSA layer's sparse attention is kept
     dsa = out.submodules.dsa_layer.submodules.self_attention.submodules.core_attention
@@ -140,10 +147,7 @@ def test_hybrid_stack_spec():
 
 
 def test_mamba_stack_spec():
-    try:
-        mamba = importlib.import_module("megatron.core.models.mamba.mamba_layer_specs")
-    except ImportError as exc:
-        pytest.skip(f"mamba layer specs need optional packages here ({exc})")
+    mamba = _import_or_skip("megatron.core.models.mamba.mamba_layer_specs", ("mamba_ssm", "causal_conv1d"))
     _check(mamba.mamba_stack_spec, count_attention(mamba.mamba_stack_spec))
 
 
@@ -152,33 +156,31 @@ def count_attention(spec):
                if owner != "CrossAttentionSubmodules" and getattr(e, "submodules", None) is None)
 
 
-def _modelopt_gpt_spec():
+MODELOPT_GPT = "megatron.core.post_training.modelopt.gpt.model_specs"
+
+
+def _modelopt_gpt_spec(local_core_attention: bool):
     from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
 
     with megatron_parallel():
-        _check(get_gpt_modelopt_spec(tiny_config(), local_core_attention=True), 1)
-        try:
-            spec = get_gpt_modelopt_spec(tiny_config(), local_core_attention=False)
-        except Exception:  # noqa: BLE001 - the TE variant needs Transformer Engine
-            return "te-skipped"
-        _check(spec, 1)
-        return "te-checked"
+        _check(get_gpt_modelopt_spec(tiny_config(), local_core_attention=local_core_attention), 1)
+    return True
 
 
 def test_modelopt_gpt_spec():
-    try:
-        importlib.import_module("megatron.core.post_training.modelopt.gpt.model_specs")
-    except ImportError as exc:
-        pytest.skip(f"nvidia-modelopt spec not importable ({exc})")
-    run_ranks(WORLD, _modelopt_gpt_spec)
+    _import_or_skip(MODELOPT_GPT, ("modelopt",))
+    assert run_ranks(WORLD, _modelopt_gpt_spec, True) == [True] * WORLD
+
+
+def test_modelopt_gpt_te_spec():
+    _import_or_skip(MODELOPT_GPT, ("modelopt",))
+    pytest.importorskip("transformer_engine")
+    assert run_ranks(WORLD, _modelopt_gpt_spec, False) == [True] * WORLD
 
 
 def test_modelopt_hybrid_spec():
-    try:
-        from megatron.core.post_training.modelopt.hybrid.model_specs import get_hybrid_stack_modelopt_spec
-    except ImportError as exc:
-        pytest.skip(f"no modelopt hybrid spec in this Megatron-Core ({exc})")
-    spec = get_hybrid_stack_modelopt_spec(local_core_attention=True)
+    specs = _import_or_skip("megatron.core.post_training.modelopt.hybrid.model_specs", ("modelopt",))
+    spec = specs.get_hybrid_stack_modelopt_spec(local_core_attention=True)
     _check(spec, count_attention(spec))
 
 

@@ -22,16 +22,16 @@ def _params(fields):
     return PackedSeqParams(**{f.name: getattr(fields, f.name) for f in dataclasses.fields(fields)})
 
 
-def _packed_model(spec, cp, comm, seed):
+def _packed_model(spec, cp, comm, seed, **config):
     from megatron.core.transformer.enums import AttnMaskType
 
-    model = build_gpt(tiny_config(1, cp, cp_comm_type=comm), spec, seed=seed)
+    model = build_gpt(tiny_config(1, cp, cp_comm_type=comm, **config), spec, seed=seed)
     for layer in model.decoder.layers:
         layer.self_attention.core_attention.attn_mask_type = AttnMaskType.padding_causal
     return model
 
 
-def _thd_matches_cp1(cases):
+def _thd_matches_cp1(cases, **config):
     from megatron.core import parallel_state
 
     from megatron_longctx import apply_to_spec, cpu_compat
@@ -49,7 +49,7 @@ def _thd_matches_cp1(cases):
     with cpu_compat.enabled():
         full, fields = packed_batch_on_this_cp_rank(batch, packing, 0, 1)
         with megatron_parallel(cp=1):
-            base = _packed_model(apply_to_spec(local_spec()), 1, None, seed=1)
+            base = _packed_model(apply_to_spec(local_spec()), 1, None, seed=1, **config)
             per_token = base(full["tokens"], full["position_ids"], None, labels=full["labels"],
                              packed_seq_params=_params(fields))  # [1, t]
             ref_loss = (per_token.float() * full["loss_mask"]).sum() / full["loss_mask"].sum()
@@ -59,7 +59,7 @@ def _thd_matches_cp1(cases):
         for comm, algorithm in cases:
             options = {"cp_algorithm": algorithm, "cp_ulysses_size": 2} if algorithm == "hybrid" else {}
             with megatron_parallel(cp=cp):
-                model = _packed_model(apply_to_spec(local_spec(), **options), cp, comm, seed=99)
+                model = _packed_model(apply_to_spec(local_spec(), **options), cp, comm, seed=99, **config)
                 model.load_state_dict(state)
                 cp_group = parallel_state.get_context_parallel_group()
                 local = get_batch_on_this_cp_rank(dict(batch), cp_group)
@@ -88,3 +88,10 @@ def test_packed_gpt_under_cp_matches_cp1(world_size):
         cases.append(("p2p", "hybrid"))
     losses = run_ranks(world_size, _thd_matches_cp1, cases)
     assert all(len(r) == len(cases) for r in losses)
+
+
+def test_packed_gpt_with_sinks_under_cp_matches_cp1():
+    """Learnable sinks on packed documents: CP=2 (kernels, sink after the merge) equals CP=1 (the local math
+    path, the sink as one more score column), the offsets' gradients included."""
+    losses = run_ranks(2, _thd_matches_cp1, [("p2p", "auto"), ("a2a", "auto")], softmax_type="learnable")
+    assert all(len(r) == 2 for r in losses)

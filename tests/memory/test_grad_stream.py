@@ -172,3 +172,103 @@ def test_the_recomputing_tiled_loss_writes_its_hidden_gradient_to_a_stream(where
     got, _ = tiled_loss.tiled_loss_backward_recompute(args, hidden.detach(), weight, target, lse, grad_loss, (), stream)
     assert got is stream
     torch.testing.assert_close(stream.read(0, s), want, rtol=1e-12, atol=1e-12)
+
+
+def _offloader(ops, pool_bytes=1 << 30):
+    from megatron_longctx.memory.offload import ActivationOffloader
+
+    cfg = MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_policy="checkpoint",
+                       offload_residual_grad=True, offload_host_pool_bytes=pool_bytes)
+    return ActivationOffloader(cfg, ops=ops)
+
+
+def test_stream_rows_travel_on_the_side_stream_one_tile_ahead():
+    """Through the offloader (recording double): a tile goes to the host on the side stream once compute has
+    made it, and the compute stream never waits for that; reads come one tile ahead, each waited for alone."""
+    from tests.memory.fake_streams import RecordingOps
+    from tests.memory.test_offload_rows import TILES, assert_tiles_come_ahead
+
+    ops = RecordingOps()
+    off = _offloader(ops)
+    x = torch.randn(16, 2, 4, dtype=torch.float64)
+    stream = grad_stream.Target(offloader=off).new(x.shape, x.dtype, x.device)
+    assert off.pool.used == x.numel() * 8  # the [s, b, h] buffer is the pool's
+    start = len(ops.log)
+    for lo, hi in TILES:
+        stream.write(lo, hi, x[lo:hi].clone())
+    writes = ops.log[start:]
+    copies = [i for i, e in enumerate(writes) if e[0] == "copy"]
+    assert len(copies) == len(TILES)
+    for i in copies:
+        assert writes[i - 1] == ("wait_stream", "side", "compute") and writes[i][3] == "side"
+        assert writes[i + 1][:2] == ("record_event", "side")
+        assert writes[i + 2] == ("record_stream", writes[i][2], "side")
+    assert not [e for e in writes if e[:2] == ("wait_event", "compute")]  # compute never waits for a write
+    start = len(ops.log)
+    for (lo, hi), ahead in zip(TILES, [*TILES[1:], None]):
+        torch.testing.assert_close(stream.read(lo, hi, ahead), x[lo:hi], rtol=0, atol=0)
+        ops.log.append(("compute", lo))
+    assert_tiles_come_ahead([e for e in ops.log[start:] if e[0] != "free"], len(TILES))
+    del stream
+    assert off.pool.used == 0 and off.pool.cached == x.numel() * 8  # handed back to the pool
+
+
+@pytest.mark.parametrize("pool", ["fits", "full"])
+def test_streams_through_the_offloader_are_exact_and_the_pool_bound_holds(pool, monkeypatch):
+    """Three tiled layers streaming through the offloader's pool: float64-exact gradients; the pool never
+    holds more than its bound: a stream that does not fit stays on the device (counted), still exact."""
+    from tests.memory.fake_streams import RecordingOps
+
+    one = SEQ * BATCH * HIDDEN * 8
+    off = _offloader(RecordingOps(), pool_bytes=one if pool == "fits" else one - 1)
+    held = []
+    take = off.pool.take
+
+    def counted(nbytes):
+        buf = take(nbytes)
+        held.append(off.pool.held)
+        return buf
+
+    monkeypatch.setattr(off.pool, "take", counted)
+    spy = _Spy(monkeypatch)
+    run_ref, grads_ref, _ = _model(None, tiles=0)
+    ref = grads_ref(run_ref())
+    run, grads, _ = _model(grad_stream.Target(offloader=off))
+    got = grads(run())
+    assert spy.handed == 2
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    assert held and max(held) <= off.pool.capacity
+    assert (off.stats.kept_over_bound_bytes == 0) == (pool == "fits")
+
+
+def test_disk_stream_rows_are_staged_on_the_side_stream_and_the_io_worker(tmp_path):
+    """Through a disk offloader: each written tile goes to pinned memory on the side stream (compute never
+    waits) and to the file on the I/O worker; reads wait for their rows' writes and come one tile ahead."""
+    from megatron_longctx.memory.offload import ActivationOffloader
+    from tests.memory.fake_streams import RecordingOps
+    from tests.memory.test_offload_rows import TILES, assert_tiles_come_ahead
+
+    ops = RecordingOps(auto_land=False)
+    off = ActivationOffloader(MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_policy="checkpoint",
+                                           offload_target="disk", offload_disk_dir=str(tmp_path),
+                                           offload_residual_grad=True), ops=ops)
+    x = torch.randn(16, 2, 4, dtype=torch.float64)
+    stream = grad_stream.Target(off.disk_dir, offloader=off).new(x.shape, x.dtype, x.device)
+    for lo, hi in TILES:
+        stream.write(lo, hi, x[lo:hi].clone())
+    copies = [e for e in ops.log if e[0] == "copy"]
+    assert len(copies) == len(TILES) and all(e[3] == "side" for e in copies)
+    assert ops.entries("wait_stream") == [("wait_stream", "side", "compute")] * len(TILES)
+    assert not [e for e in ops.log if e[:2] == ("wait_event", "compute")]
+    assert off.pool.used == 0  # the file holds it
+    start = len(ops.log)
+    for (lo, hi), ahead in zip(TILES, [*TILES[1:], None]):
+        torch.testing.assert_close(stream.read(lo, hi, ahead), x[lo:hi], rtol=0, atol=0)
+        ops.log.append(("compute", lo))
+    log = [e for e in ops.log[start:] if e[0] != "free"]
+    assert ("wait_stream", "side", "compute") not in log
+    assert_tiles_come_ahead(log, len(TILES))
+    assert off.stats.residual_grad_bytes == 2 * x.numel() * 8
+    assert [e for e in ops.log if e[0] == "sync_event"]  # the worker waited for each copy before writing
+    off.close()

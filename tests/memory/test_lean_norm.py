@@ -29,20 +29,26 @@ def _run(fn, x, weight, dy):
     return y.detach(), x.grad, weight.grad
 
 
+# atol (rtol 0) for out, dx, dweight: ~3x the largest error measured over both step sizes (out <= 3.2,
+# dx <= 1.3, dweight <= 10.1).  float64: 0, 2.2e-16, 8.9e-16; float32: 2.4e-7, 9.1e-8, 8.0e-7; bfloat16
+# (the oracle in float64 on the bf16-rounded inputs, so only the output's bf16 rounding and the bf16
+# arithmetic count): 1.0e-2, 3.0e-3, 1.5e-2.
+ATOL = {torch.float64: (3e-15, 1e-15, 3e-15), torch.float32: (7e-7, 3e-7, 2.4e-6),
+        torch.bfloat16: (3e-2, 9e-3, 4.5e-2)}
+
+
 @pytest.mark.parametrize("rows", [1024, 4], ids=["one-step", "steps-of-4-rows"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 2e-2)],
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16],
                          ids=["float64", "float32", "bfloat16"])
-def test_matches_torch_rms_norm_in_float64(dtype, tol, rows, monkeypatch):
+def test_matches_torch_rms_norm_in_float64(dtype, rows, monkeypatch):
     monkeypatch.setattr(lean_norm, "BACKWARD_ROWS", rows)  # 15 rows: 4 + 4 + 4 + 3
     x, weight, dy = _inputs(dtype)
-    norm = torch.nn.RMSNorm(x.shape[-1], eps=1e-5, dtype=torch.float64)
     want = _run(lambda x_, w_: torch.nn.functional.rms_norm(x_, (x.shape[-1],), w_, 1e-5),
                 x.double(), weight.double(), dy.double())
     got = _run(lambda x_, w_: lean_rms_norm(x_, w_, 1e-5), x, weight, dy)
-    for g, w, name in zip(got, want, ("out", "dx", "dweight")):
+    for g, w, name, atol in zip(got, want, ("out", "dx", "dweight"), ATOL[dtype]):
         assert g.dtype == dtype, name
-        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * 10, msg=lambda m, n=name: f"{n}: {m}")
-    assert norm.weight.shape == weight.shape
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _saved_bytes(fn, x, weight) -> int:

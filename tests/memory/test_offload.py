@@ -276,3 +276,21 @@ def test_pinned_pool_charges_the_rounded_block():
     pool = HostPool(capacity=4096, pin=True)
     assert pool.charge(3000) == 4096 and pool.charge(4096) == 4096 and pool.charge(1) == 1
     assert HostPool(capacity=4096, pin=False).charge(3000) == 3000
+
+
+def test_a_pinned_pool_empties_torchs_host_cache_only_when_cleared(monkeypatch):
+    """Eviction mid-forward leaves torch's cached pinned blocks alone (emptying them syncs the device and
+    drops every other owner's blocks); :meth:`HostPool.clear` gives them back."""
+    emptied = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1), raising=False)  # torch < 2.14 has none
+
+    class Pinned(HostPool):
+        def _new(self, nbytes):  # a CPU stand-in for a pinned block
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = Pinned(capacity=1024, pin=True)
+    pool.give(pool.take(600))
+    assert pool.take(500) is not None and pool.evicted_bytes == 1024
+    assert emptied == []
+    pool.clear()
+    assert emptied == [1]

@@ -83,26 +83,63 @@ def test_a_truncated_file_is_an_error_naming_the_flag(tmp_path):
     off.close()
 
 
-def test_host_rows_come_back_through_the_side_stream():
+def assert_tiles_come_ahead(log: list, tiles: int) -> None:
+    """The order a tile reader must keep (recording double; ``("compute", k)`` marks tile k's compute):
+    each tile's rows are copied on the side stream into a side-stream buffer, waiting for no compute; the
+    copy of tile k+1 is issued before tile k computes; the compute stream waits only for each tile's own
+    copy event, and records its use of the buffer."""
+    side_buffers = {e[1] for e in log if e[0] == "empty"}
+    assert {e[2] for e in log if e[0] == "empty"} == {"side"}
+    copies = [i for i, e in enumerate(log) if e[0] == "copy" and e[1] in side_buffers]
+    assert len(copies) == tiles and all(log[i][3] == "side" for i in copies)
+    events = [log[i + 1][2] for i in copies]
+    assert all(log[i + 1][:2] == ("record_event", "side") for i in copies)
+    waits = [e for e in log if e[:2] == ("wait_event", "compute")]
+    assert [e[2] for e in waits] == events  # each tile's own copy, in order, nothing else
+    computes = [i for i, e in enumerate(log) if e[0] == "compute"]
+    for k in range(tiles - 1):
+        assert copies[k + 1] < computes[k]  # tile k+1 in flight while tile k computes
+    for buf in side_buffers:
+        assert ("record_stream", buf, "compute") in log
+
+
+def _read_tiles(ops, read, x):
+    start = len(ops.log)
+    for (lo, hi), ahead in zip(TILES, [*TILES[1:], None]):
+        torch.testing.assert_close(read(lo, hi, ahead), x[lo:hi], rtol=0, atol=0)
+        ops.log.append(("compute", lo))
+    return [e for e in ops.log[start:] if e[0] != "free"]
+
+
+def test_host_rows_come_back_on_the_side_stream_one_tile_ahead():
     ops = RecordingOps()
-    off = ActivationOffloader(MemoryConfig(**CKPT, offload_target="host", offload_min_bytes=0),
-                              ops=ops)
+    off = ActivationOffloader(MemoryConfig(**CKPT, offload_target="host", offload_min_bytes=0), ops=ops)
     x = torch.randn(16, 4, dtype=torch.float64)
     item = _pack(off, x)
-    (copied,) = [e[2] for e in ops.log if e[:2] == ("record_event", "side")]
-    start = len(ops.log)
-    rows = hooks.unpack_rows(item, 5, 12)
-    back = [e for e in ops.log[start:] if e[0] != "free"]
-    buf = back[0][1]
-    assert back[0] == ("empty", buf, "compute")  # a compute-stream allocation, like the tensor autograd kept
-    assert back[1] == ("wait_stream", "side", "compute")
-    assert back[2] == ("wait_event", "side", copied)  # the copy off the device has landed
-    assert back[3][:2] == ("copy", buf) and back[3][3] == "side"  # the pool buffer is read on the side stream
-    fetched = back[4][2]
-    assert back[4][:2] == ("record_event", "side") and back[5] == ("record_stream", buf, "side")
-    assert back[6] == ("wait_event", "compute", fetched)  # before the caller reads it
-    torch.testing.assert_close(rows, x[5:12], rtol=0, atol=0)
-    assert off.stats.fetched_bytes == 7 * 4 * 8
+    log = _read_tiles(ops, lambda lo, hi, ahead: hooks.unpack_rows(item, lo, hi, ahead), x)
+    assert ("wait_stream", "side", "compute") not in log  # copies and compute overlap
+    assert_tiles_come_ahead(log, len(TILES))
+    assert off.stats.fetched_bytes == 16 * 4 * 8 and off.stats.row_fetches == len(TILES)
+
+
+def test_disk_rows_are_staged_and_come_back_on_the_side_stream_one_tile_ahead(tmp_path, monkeypatch):
+    from megatron_longctx.memory import offload
+
+    staged = []
+    read = offload.read_file
+    monkeypatch.setattr(offload, "read_file", lambda *a: staged.append(a[3] is not None) or read(*a))
+    ops = RecordingOps()
+    off = ActivationOffloader(MemoryConfig(**CKPT, offload_target="disk", offload_min_bytes=0,
+                                           offload_disk_dir=str(tmp_path)), ops=ops)
+    x = torch.randn(16, 4, dtype=torch.float64)
+    item = _pack(off, x)
+    off.synchronize()
+    log = _read_tiles(ops, lambda lo, hi, ahead: hooks.unpack_rows(item, lo, hi, ahead), x)
+    assert ("wait_stream", "side", "compute") not in log
+    assert_tiles_come_ahead(log, len(TILES))
+    assert staged == [True] * len(TILES)  # each range read into a (pinned) staging buffer, not a fresh pageable one
+    del item
+    off.close()
 
 
 class _Keeper:

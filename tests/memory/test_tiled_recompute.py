@@ -410,3 +410,31 @@ def test_output_over_input_needs_tiles_and_the_checkpoint_offload():
 def test_recompute_tiles_needs_full_recompute():
     with pytest.raises(ValueError, match="--longctx-recompute-tiles: .*--recompute-granularity full"):
         MemoryConfig(recompute_tiles=2)
+
+
+def _nvtx_balanced():
+    from megatron.core import utils
+
+    from megatron_longctx.memory import install
+
+    opened = []
+    push, pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+    torch.cuda.nvtx.range_push = lambda msg: opened.append(msg)
+    torch.cuda.nvtx.range_pop = lambda: opened.pop()
+    utils.configure_nvtx_profiling(True)
+    try:
+        with cpu(), megatron_parallel():
+            model = build_gpt(**NO_DROPOUT, spec=_plugin_spec())
+            handle = install(model, MemoryConfig(recompute_granularity="full", recompute_tiles=3))
+            loss_and_grads(model)
+            handle.remove()
+    finally:
+        utils.configure_nvtx_profiling(False)
+        torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = push, pop
+    return list(utils._nvtx_range_messages), opened
+
+
+def test_a_replayed_step_leaves_megatrons_nvtx_stack_balanced():
+    """--profile --nvtx-ranges: tiles stopped at the core attention pop the ranges the layer opened."""
+    for messages, opened in run_ranks(2, _nvtx_balanced):
+        assert messages == [] and opened == []

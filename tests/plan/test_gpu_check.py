@@ -16,7 +16,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
 SECTIONS = ["environment", "kernels", "ring", "windows", "offload", "offload_one_connection", "gpt_step", "tiled_replay",
-            "max_seq"]
+            "fused_replay", "residual_grad", "max_seq"]
 
 
 def _run(*args: str, timeout: float = 900, **env_extra: str) -> subprocess.CompletedProcess:
@@ -109,6 +109,17 @@ def test_dry_run_on_cpu_runs_every_section(tmp_path):
             stats = part["tiled_offload"]["offloader"]
             assert stats["row_fetches"] > 0 and stats["prefetched_groups"] == 0
             assert stats["fetched_bytes"] == 3 * stats["offloaded_bytes"] > 0
+    fused = sections["fused_replay"]
+    if fused["status"] == "skipped":
+        assert "megatron-core" in fused["reason"]
+    else:  # main_grad under DDP with fused linears: the replay's against full recompute's
+        assert fused["status"] == "ok" and fused["grad_max_rel_err"] < 1e-4 and fused["fused_linears"] > 0
+    residual = sections["residual_grad"]
+    if residual["status"] == "skipped":
+        assert "megatron-core" in residual["reason"]
+    else:  # the layers hand the streamed gradient on; gradients as without streaming
+        assert residual["status"] == "ok" and residual["problems"] == [], residual["problems"]
+        assert residual["streams_handed_per_step"] > 0 and residual["grad_max_rel_err"] < 1e-4
     max_seq = sections["max_seq"]
     if max_seq["status"] == "skipped":
         assert "megatron-core" in max_seq["reason"]
