@@ -44,10 +44,12 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
     if not hasattr(model, "transformer_layer_spec"):
         raise ValueError(f"{PREFIX}.configure: {type(model).__name__} has no transformer_layer_spec; pass a "
                          "ConfigContainer whose model is a GPT model provider / GPTModelConfig")
-    spec = LongContextLayerSpec(base=model.transformer_layer_spec, options=_with_plugin_recompute(model, longctx_options))
+    options = _with_plugin_recompute(model, longctx_options)
+    moved = any(name in options and name not in longctx_options for name in MEGATRON_FLAGS)
+    spec = LongContextLayerSpec(base=model.transformer_layer_spec, options=options)
     longctx = _config(spec)
-    check_model_config(model, longctx)
-    if longctx.memory.recompute_enabled:
+    check_model_config(model, longctx, recompute_moved=moved)
+    if moved:
         for name, value in _MEGATRON_RECOMPUTE.items():
             setattr(model, name, value)
     model.transformer_layer_spec = spec
@@ -82,8 +84,9 @@ def _field_error(name: str, value: Any, message: str) -> ValueError:
     return ValueError(f"{PREFIX}: model.{name}={value!r}: {message}")
 
 
-def check_model_config(model: Any, longctx: LongContextConfig) -> None:
-    """Refuse what cannot run with our attention and memory features; each error names the field and fix."""
+def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: bool = False) -> None:
+    """Refuse what cannot run with our attention and memory features; each error names the field and fix.
+    ``recompute_moved``: the plugin's recompute is the model config's own, moved (then cleared there)."""
     from megatron_longctx.megatron.args import _check_kernel_backend
 
     backend = getattr(model, "attention_backend", None)
@@ -108,7 +111,7 @@ def check_model_config(model: Any, longctx: LongContextConfig) -> None:
                 raise _field_error(name, True, f"Megatron's activation offload would run together with "
                                                f"megatron-longctx's (offload_policy={longctx.memory.offload_policy!r}); "
                                                f"set model.{name}=false, or drop offload_policy")
-    if longctx.memory.recompute_enabled and getattr(model, "recompute_granularity", None):
+    if longctx.memory.recompute_enabled and not recompute_moved and getattr(model, "recompute_granularity", None):
         raise _field_error("recompute_granularity", model.recompute_granularity,
                            f"Megatron's recompute would run together with megatron-longctx's "
                            f"(recompute_granularity={longctx.memory.recompute_granularity!r}); set "

@@ -3,6 +3,7 @@
 overwrite under ``attention_backend=local`` as Bridge's GPT provider)."""
 
 import json
+import os
 
 import pytest
 
@@ -13,6 +14,7 @@ from tests.gpt_kit import VOCAB, WORLD, SEQ, cpu, tiny_config
 
 def _gpt_model_config(**fields):
     gpt = pytest.importorskip("megatron.training.models.gpt", reason="needs megatron.training (megatron-core >= 0.19)")
+    fields.setdefault("transformer_impl", "local")  # no Transformer Engine here: the local layer spec
     return gpt.GPTModelConfig(transformer=tiny_config(**fields), vocab_size=VOCAB, seq_length=SEQ,
                               position_embedding_type="rope")
 
@@ -29,6 +31,7 @@ def test_spec_object_is_plain_importable_data():
     as_dict = ConfigContainerBase._convert_value_to_dict(spec)
     assert as_dict["_target_"] == "megatron_longctx.bridge.spec.LongContextLayerSpec"
     json.dumps(as_dict["options"])  # plain values only
+    pytest.importorskip("omegaconf", reason="loading run_config.yaml back needs omegaconf (installed with Bridge)")
     back = instantiate(as_dict)
     assert isinstance(back, LongContextLayerSpec) and back.base is get_gpt_layer_local_spec
     assert back.config() == spec.config()  # lists from YAML become the config's tuples again
@@ -43,9 +46,10 @@ def test_spec_object_is_plain_importable_data():
     ({"cp": 2, "attention_backend": "local"}, {}, r"model\.attention_backend='local'.*attention_backend=auto"),
     ({"cp": 2, "attention_dropout": 0.1}, {}, r"model\.attention_dropout=0\.1.*model\.attention_dropout=0\.0"),
     ({"cpu_offloading": True}, {"offload_policy": "modules"}, r"model\.cpu_offloading=True.*=false"),
-    ({"fine_grained_activation_offloading": True}, {"offload_policy": "layers"},
+    ({"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}, {"offload_policy": "layers"},
      r"model\.fine_grained_activation_offloading=True"),
-    ({"recompute_granularity": "full"}, {"recompute_granularity": "selective"},
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+     {"recompute_granularity": "selective"},
      r"model\.recompute_granularity='full'.*model\.recompute_granularity=null"),
     ({}, {"offload_policy": "checkpoint"}, r"--longctx-offload-policy.*--recompute-granularity full"),
     ({}, {"cp_kernel_backend": "no-such-kernel"}, r"--longctx-cp-kernel-backend: unknown backend"),
@@ -77,16 +81,18 @@ def test_configure_moves_megatrons_recompute_into_the_plugin_once():
     assert [type(h) for h in model_config.pre_wrap_hooks] == [LongContextModelHook]
 
 
-def _build_through_builder(attention_backend: str) -> list:
-    """Rank body: megatron-core's GPTModelBuilder builds a CP=2 model from a configured GPTModelConfig
+def _build_through_builder(attention_backend: str, cp: int) -> list:
+    """Rank body: megatron-core's GPTModelBuilder builds a model from a configured GPTModelConfig
     and runs its pre-wrap hooks; returns what each layer's core_attention is, or the hook's refusal."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnBackend
     from megatron.training.models.base import compose_hooks
     from megatron.training.models.gpt import GPTModelBuilder
 
-    with megatron_parallel(cp=2), cpu():
-        model_config = _gpt_model_config(cp=2)
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # set by the model of the last call
+        os.environ.pop(name, None)
+    with megatron_parallel(cp=cp), cpu():
+        model_config = _gpt_model_config(cp=cp)
         configure(model_config, tiled_mlp_tiles=2, tiled_loss_tiles=2)
         model_config.attention_backend = AttnBackend[attention_backend]  # set after configure: only the hook sees it
         model = [GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())]
@@ -100,8 +106,8 @@ def _build_through_builder(attention_backend: str) -> list:
 
 def test_built_model_holds_our_attention_and_the_hook_catches_the_in_place_overwrite():
     pytest.importorskip("megatron.training.models.gpt", reason="needs megatron.training (megatron-core >= 0.19)")
-    for got in run_ranks(WORLD, _build_through_builder, "auto"):
+    for got in run_ranks(WORLD, _build_through_builder, "auto", 2):
         assert got == [("ContextParallelAttention", "TiledMLP")] * 2
-    for got in run_ranks(WORLD, _build_through_builder, "local"):
+    for got in run_ranks(WORLD, _build_through_builder, "local", 1):  # CP=2 asserts in the build
         assert len(got) == 1 and "runs DotProductAttention as core_attention" in got[0]
         assert "model.attention_backend" in got[0]
