@@ -130,14 +130,10 @@ class LongContextModelHook:
     options: dict = dataclasses.field(default_factory=dict)
 
     def __call__(self, model: list) -> list:
-        from megatron_longctx.megatron.memory_spec import install
+        from megatron_longctx.megatron.memory_spec import install_and_report
 
-        longctx = LongContextConfig.from_flat(self.options)
         check_built_model(model)
-        if longctx.memory.any_enabled:
-            handle = install(model, longctx.memory)
-            for chunk in model:
-                chunk._longctx_memory_handle = handle
+        install_and_report(model, LongContextConfig.from_flat(self.options), who=PREFIX)
         return model
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_longctx.bridge import LongContextLayerSpec, LongContextModelHook, configure
 from tests.dist import megatron_parallel, run_ranks
-from tests.gpt_kit import VOCAB, WORLD, SEQ, cpu, tiny_config
+from tests.gpt_kit import SEQ, VOCAB, WORLD, assert_same, build_gpt, cpu, loss_and_grads, tiny_config
 
 
 def _gpt_model_config(**fields):
@@ -101,12 +101,18 @@ def _build_through_builder(attention_backend: str, cp: int) -> list:
         except RuntimeError as err:
             return [str(err)]
         layers = model[0].decoder.layers
+        if cp == 1:  # the configured model (tiled MLP and loss on) against plain Megatron with its weights
+            plain = build_gpt(_gpt_model_config().transformer)
+            plain.load_state_dict(model[0].state_dict(), strict=True)
+            assert_same(loss_and_grads(plain), loss_and_grads(model[0]), rtol=1e-5, atol=1e-6)
         return [(type(layer.self_attention.core_attention).__name__, type(layer.mlp).__name__) for layer in layers]
 
 
 def test_built_model_holds_our_attention_and_the_hook_catches_the_in_place_overwrite():
     pytest.importorskip("megatron.training.models.gpt", reason="needs megatron.training (megatron-core >= 0.19)")
     for got in run_ranks(WORLD, _build_through_builder, "auto", 2):
+        assert got == [("ContextParallelAttention", "TiledMLP")] * 2
+    for got in run_ranks(WORLD, _build_through_builder, "auto", 1):  # and the same loss and grads as Megatron's
         assert got == [("ContextParallelAttention", "TiledMLP")] * 2
     for got in run_ranks(WORLD, _build_through_builder, "local", 1):  # CP=2 asserts in the build
         assert len(got) == 1 and "runs DotProductAttention as core_attention" in got[0]
