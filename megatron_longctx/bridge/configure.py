@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_longctx.bridge.spec import LongContextLayerSpec
+from megatron_longctx.bridge.spec import LongContextLayerSpec, allow_in_run_config
 from megatron_longctx.config import MEGATRON_FLAGS, LongContextConfig
 
 PREFIX = "megatron_longctx.bridge"
@@ -53,6 +53,7 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
         for name, value in _MEGATRON_RECOMPUTE.items():
             setattr(model, name, value)
     model.transformer_layer_spec = spec
+    allow_in_run_config()  # this run writes it to run_config.yaml; a resume calls configure again
     _register_pre_wrap_hook(model, LongContextModelHook(options=spec.options))
     return cfg
 

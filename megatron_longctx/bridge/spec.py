@@ -12,11 +12,24 @@ reaches the recipe's spec.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import inspect
 from typing import Any, Optional
 
 from megatron_longctx.config import LongContextConfig
+
+TARGET = "megatron_longctx.bridge.spec.LongContextLayerSpec"
+
+
+def allow_in_run_config() -> None:
+    """Let Megatron's (and Bridge's) config loader instantiate :class:`LongContextLayerSpec` from
+    ``run_config.yaml``: its ``_target_`` allowlist takes only ``megatron.*`` unless told (this one target
+    exactly).  Nothing to do where megatron.training is absent."""
+    with contextlib.suppress(ImportError):
+        importlib.import_module("megatron.training.config.instantiate_utils").target_allowlist.add_exact(TARGET)
+
 
 @dataclasses.dataclass
 class LongContextLayerSpec:

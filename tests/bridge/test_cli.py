@@ -18,20 +18,28 @@ def test_a_recipe_that_cannot_be_imported_names_the_module_path():
 
 
 @pytest.mark.skipif(bridge_available() is not None, reason=str(bridge_available()))
-def test_overrides_and_longctx_flags_reach_the_config(capsys):
+def test_overrides_and_longctx_flags_reach_the_config(capsys, tmp_path):
     import_bridge()
     from megatron_longctx.bridge import LongContextLayerSpec
     from megatron_longctx.bridge.__main__ import build_config, main
 
     cfg, _ = build_config(["--recipe", RECIPE, "model.num_layers=3", "model.context_parallel_size=2",
-                           "train.train_iters=7", "--longctx-cp-algorithm", "allgather",
+                           "model.attention_dropout=0.0", "train.train_iters=7", "--longctx-cp-algorithm", "allgather",
                            "--longctx-offload-modules", "core_attn,mlp", "--longctx-offload-policy", "modules"])
     assert (cfg.model.num_layers, cfg.model.context_parallel_size, cfg.train.train_iters) == (3, 2, 7)
     spec = cfg.model.transformer_layer_spec
     assert isinstance(spec, LongContextLayerSpec)
     assert spec.options == {"cp_algorithm": "allgather", "offload_modules": ("core_attn", "mlp"),
                             "offload_policy": "modules"}
+    # run_config.yaml, as Bridge writes it at the start of training and reads it back on resume
+    cfg.to_yaml(str(tmp_path / "run_config.yaml"))
+    back = type(cfg).from_yaml(str(tmp_path / "run_config.yaml"))
+    assert isinstance(back.model.transformer_layer_spec, LongContextLayerSpec)
+    assert back.model.transformer_layer_spec.config() == spec.config()
+    assert back.model.transformer_layer_spec.base is spec.base
     main(["--recipe", RECIPE, "--dry-run", "--longctx-tiled-mlp-tiles", "2"])
     assert "LongContextLayerSpec" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"model\.attention_backend='local'.*model\.attention_backend=auto"):
         build_config(["--recipe", RECIPE, "model.attention_backend=local"])
+    with pytest.raises(SystemExit, match=r"model\.attention_dropout=0\.1.*set model\.attention_dropout=0\.0"):
+        build_config(["--recipe", RECIPE, "model.context_parallel_size=2"])  # the recipe's dropout under CP

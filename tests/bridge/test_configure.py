@@ -8,6 +8,7 @@ import os
 import pytest
 
 from megatron_longctx.bridge import LongContextLayerSpec, LongContextModelHook, configure
+from megatron_longctx.bridge.spec import TARGET, allow_in_run_config
 from tests.dist import megatron_parallel, run_ranks
 from tests.gpt_kit import SEQ, VOCAB, WORLD, assert_same, build_gpt, cpu, loss_and_grads, tiny_config
 
@@ -29,9 +30,10 @@ def test_spec_object_is_plain_importable_data():
     spec = LongContextLayerSpec(base=get_gpt_layer_local_spec,
                                 options={"cp_algorithm": "ring", "offload_modules": ("core_attn", "mlp")})
     as_dict = ConfigContainerBase._convert_value_to_dict(spec)
-    assert as_dict["_target_"] == "megatron_longctx.bridge.spec.LongContextLayerSpec"
+    assert as_dict["_target_"] == TARGET == "megatron_longctx.bridge.spec.LongContextLayerSpec"
     json.dumps(as_dict["options"])  # plain values only
     pytest.importorskip("omegaconf", reason="loading run_config.yaml back needs omegaconf (installed with Bridge)")
+    allow_in_run_config()  # what configure() does: Megatron's loader takes only megatron.* targets unless told
     back = instantiate(as_dict)
     assert isinstance(back, LongContextLayerSpec) and back.base is get_gpt_layer_local_spec
     assert back.config() == spec.config()  # lists from YAML become the config's tuples again
