@@ -37,6 +37,10 @@ Megatron-LM's training stack (``megatron.training``, what ``pretrain_gpt.py`` ru
 * the optimizers and ``clip_grad_by_total_norm_fp32`` check parameters and grads by their type names
   (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``): ``Tensor.type()`` names CPU tensors so.
 
+Megatron-Bridge's ``pretrain()`` (``megatron.bridge.training``, when already imported) meets the same
+asserts, RNG seeding, helper build and JIT warm-up in its own ``initialize`` module, and allocates with
+``device="cuda"`` in its setup, data loaders, train and eval loops (see :func:`_bridge_patches`).
+
 :func:`cpu_default_args` gives the command-line defaults a CPU process needs for Megatron-LM's scripts
 (gloo, the CUDA-only fusions off, ``--transformer-impl local`` without Transformer Engine, ...); flags
 the user gave win.
