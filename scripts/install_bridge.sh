@@ -4,7 +4,7 @@
 # fast-hadamard-transform is a source-only CUDA build), then the packages `import megatron.bridge` and its
 # training loop need.  Transformer Engine and nvidia-resiliency-ext are not installed (no wheel runs here):
 # tests/bridge/bridge_kit.py stands in for them where Bridge imports them unconditionally.
-# Measured on the 2-core dev machine: 277 s (pip cache warm); then `make test-bridge` about 90 s.
+# Measured on the 2-core dev machine: 277 s (pip cache warm); then `make test-bridge` 115 s of tests (150 s wall).
 # Usage: scripts/install_bridge.sh [PYTHON] [VENV]
 set -euo pipefail
 cd "$(dirname "$0")/.."
