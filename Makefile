@@ -9,15 +9,17 @@ PYTHON_COMPAT ?= $(call find_python,3.11)
 
 VENV := .venv
 VENV_COMPAT := .venv-compat
+VENV_BRIDGE := .venv-bridge
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: help setup setup-compat run test test-compat bench clean
+.PHONY: help setup setup-compat setup-bridge run test test-compat test-bridge bench clean
 
 help:
 	@echo "make run          the main job (see README)"
 	@echo "make test         set up .venv if needed and run the CPU test suite"
 	@echo "make test-compat  the same suite on python3.11 + megatron-core 0.16.1 + torch 2.13.0"
+	@echo "make test-bridge  tests/bridge against Megatron-Bridge 0.6.2 (its own .venv-bridge, scripts/install_bridge.sh)"
 	@echo "make bench        the regression benchmark against baseline Megatron"
 
 $(VENV)/.installed: setup.py constraints.txt
@@ -36,6 +38,11 @@ $(VENV_COMPAT)/.installed: setup.py constraints.txt
 
 setup: $(VENV)/.installed
 setup-compat: $(VENV_COMPAT)/.installed
+setup-bridge: $(VENV_BRIDGE)/.installed
+
+$(VENV_BRIDGE)/.installed: setup.py constraints.txt scripts/install_bridge.sh
+	@test -n "$(PYTHON)" || { echo "python3.12 not found: pass PYTHON=/path/to/python3.12"; exit 1; }
+	scripts/install_bridge.sh $(PYTHON) $(VENV_BRIDGE)
 
 run: setup
 	$(VENV)/bin/megatron-longctx run $(RUN_ARGS)
@@ -46,8 +53,13 @@ test: setup
 test-compat: setup-compat
 	$(VENV_COMPAT)/bin/python -m pytest -q $(PYTEST_ARGS) tests
 
+# The model-build test of tests/bridge needs no Bridge and runs in `make test` already.
+test-bridge: setup-bridge
+	$(VENV_BRIDGE)/bin/python -m pytest -q $(PYTEST_ARGS) tests/bridge \
+		--deselect tests/bridge/test_configure.py::test_built_model_holds_our_attention_and_the_hook_catches_the_in_place_overwrite
+
 bench: setup
 	$(VENV)/bin/megatron-longctx bench
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_COMPAT) $(VENV_BRIDGE) *.egg-info .pytest_cache

@@ -37,6 +37,10 @@ Megatron-LM's training stack (``megatron.training``, what ``pretrain_gpt.py`` ru
 * the optimizers and ``clip_grad_by_total_norm_fp32`` check parameters and grads by their type names
   (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``): ``Tensor.type()`` names CPU tensors so.
 
+Megatron-Bridge's ``pretrain()`` (``megatron.bridge.training``, when already imported) meets the same
+asserts, RNG seeding, helper build and JIT warm-up in its own ``initialize`` module, and allocates with
+``device="cuda"`` in its setup, data loaders, train and eval loops (see :func:`_bridge_patches`).
+
 :func:`cpu_default_args` gives the command-line defaults a CPU process needs for Megatron-LM's scripts
 (gloo, the CUDA-only fusions off, ``--transformer-impl local`` without Transformer Engine, ...); flags
 the user gave win.
@@ -199,6 +203,14 @@ class _CudaOneDevice(types.ModuleType):
 _ORIGINAL_TYPE = torch.Tensor.type
 
 
+def _one_device_torch(cpu_torch: types.ModuleType) -> types.ModuleType:
+    """``cpu_torch`` whose ``torch.cuda`` has one device (the training stacks' ``initialize`` modules)."""
+    one_device_torch = types.ModuleType("torch")
+    one_device_torch.__dict__.update(cpu_torch.__dict__)
+    one_device_torch.cuda = _CudaOneDevice()
+    return one_device_torch
+
+
 def _type_as_on_cuda(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
     """``Tensor.type()`` naming a CPU tensor's type as its CUDA twin's (``torch.cuda.BFloat16Tensor``):
     Megatron's optimizers and grad clipping check parameters and grads by those names; with an argument
@@ -249,11 +261,43 @@ def _training_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]
             arch_checks.add(getattr(importlib.import_module(name), "get_device_arch_version", None))
     for arch in arch_checks - {None}:
         patches += _replace_everywhere(arch, _no_device_arch)
-    one_device_torch = types.ModuleType("torch")
-    one_device_torch.__dict__.update(cpu_torch.__dict__)
-    one_device_torch.cuda = _CudaOneDevice()
-    patches.append((initialize, "torch", one_device_torch))
+    patches.append((initialize, "torch", _one_device_torch(cpu_torch)))
     for name in _HARD_CODED_CUDA_TRAINING_MODULES:
+        with contextlib.suppress(ImportError):
+            patches.append((importlib.import_module(name), "torch", cpu_torch))
+    return patches
+
+
+# Megatron-Bridge's training loop (``megatron.bridge.training``): modules that allocate with device="cuda".
+_HARD_CODED_CUDA_BRIDGE_MODULES = (
+    "megatron.bridge.training.setup",  # the start-time tensor
+    "megatron.bridge.data.loaders",  # the do-train/valid/test flags
+    "megatron.bridge.training.train",  # the loss-accumulator tensors
+    "megatron.bridge.training.eval",  # the evaluation loss accumulators
+    "megatron.bridge.training.utils.train_utils",  # loss, grad-norm and timing reductions
+)
+
+
+def _bridge_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]:
+    """What Megatron-Bridge's ``pretrain()`` needs on a CPU process, when Bridge's training modules are
+    already imported (importing them is Bridge's job, and slow): ``initialize_megatron`` asserts CUDA unless
+    ``allow_no_cuda=True``; it seeds the model-parallel RNG tracker only when ``torch.cuda.device_count() > 0``
+    (one device here); it builds the dataset helpers (``compile_helpers``: the wheel ships them built, without
+    the Makefile) and warms the fused kernels on ``"cuda"``; the modules above allocate with ``device="cuda"``."""
+    initialize = sys.modules.get("megatron.bridge.training.initialize")
+    if initialize is None:
+        return []
+    from megatron_longctx.megatron.script_setup import wrap_compile_helpers
+
+    patches: list[tuple[Any, str, Any]] = [
+        (initialize, "torch", _one_device_torch(cpu_torch)),
+        (initialize, "_warmup_jit_function", _no_jit_warmup),
+        (initialize, "compile_helpers", wrap_compile_helpers(initialize.compile_helpers)),
+        (torch.Tensor, "cuda", _tensor_cuda),
+        (torch.cuda, "Stream", _NoStream),
+    ]
+    patches += _replace_everywhere(initialize.initialize_megatron, _allow_no_cuda(initialize.initialize_megatron))
+    for name in _HARD_CODED_CUDA_BRIDGE_MODULES:
         with contextlib.suppress(ImportError):
             patches.append((importlib.import_module(name), "torch", cpu_torch))
     return patches
@@ -291,7 +335,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
     for name in _HARD_CODED_CUDA_MODULES:
         with contextlib.suppress(ImportError):
             patches.append((importlib.import_module(name), "torch", cpu_torch))
-    return patches + _training_patches(cpu_torch)
+    return patches + _training_patches(cpu_torch) + _bridge_patches(cpu_torch)
 
 
 class _SameGeneratorFilter(logging.Filter):

@@ -402,10 +402,18 @@ def build_model(build: Callable[[Any, dict[str, Any]], Any], config: Any, specs:
 
     specs = {name: None if spec is None else transform_spec(spec, cfg, require=False) for name, spec in specs.items()}
     model = build(megatron_config_without_plugin_recompute(config, cfg.memory), specs)
+    install_and_report(model, cfg, who)
+    return model
+
+
+def install_and_report(model: Any, cfg: LongContextConfig, who: str = "megatron-longctx") -> Optional[MemoryHandle]:
+    """:func:`install` the memory features of ``cfg`` (if any) on a built ``model`` (a module or a list of
+    chunks, each of which then holds the handle as ``_longctx_memory_handle``); rank 0 prints one line."""
     if not cfg.memory.any_enabled:
-        return model
+        return None
     handle = install(model, cfg.memory)
-    model._longctx_memory_handle = handle
+    for chunk in model if isinstance(model, list) else [model]:
+        chunk._longctx_memory_handle = handle
     if os.environ.get("RANK", "0") == "0":
         mem = cfg.memory
         if mem.recompute_enabled:
@@ -414,5 +422,5 @@ def build_model(build: Callable[[Any, dict[str, Any]], Any], config: Any, specs:
             print(f"{who}: Megatron's --recompute-granularity ({what}) runs in the plugin's recompute on "
                   f"{len(handle.layers)} layers (see plugin_recompute)", flush=True)
         print(f"{who}: memory features: {handle.describe()}", flush=True)
-    return model
+    return handle
 

@@ -1,0 +1,115 @@
+"""Megatron-Bridge's own ``pretrain()`` with megatron-longctx, on 2 gloo CPU ranks: the ``vanilla_gpt`` recipe
+at tiny size, 3 steps; context parallelism (ring = Bridge's p2p, allgather, ulysses = a2a) gives the losses of
+CP=1 (data parallel over the same global batch), and so do the memory features.  Runs where
+``megatron.bridge`` imports (``make test-bridge``); skips elsewhere."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+
+from tests.bridge.bridge_kit import bridge_available, import_bridge
+from tests.dist import run_ranks
+
+pytestmark = pytest.mark.skipif(bridge_available() is not None, reason=str(bridge_available()))
+
+STEPS, SEQ, GLOBAL_BATCH, MICRO_BATCH = 3, 32, 4, 1
+
+
+def tiny_recipe(cp: int):
+    """Bridge's vanilla_gpt recipe, tiny, fp32, no checkpoints or evaluation, Megatron's local layers."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
+
+    cfg = vanilla_gpt_pretrain_config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads = 2, 64, 128, 4
+    m.seq_length, m.context_parallel_size, m.transformer_impl = SEQ, cp, "local"
+    m.position_embedding_type, m.transformer_layer_spec = "rope", local_layer_spec  # Bridge's default is TE's
+    m.bf16, m.params_dtype, m.attention_dropout, m.hidden_dropout = False, __import__("torch").float32, 0.0, 0.0
+    m.gradient_accumulation_fusion = m.bias_activation_fusion = m.bias_dropout_fusion = False
+    m.masked_softmax_fusion = m.persist_layer_norm = m.apply_rope_fusion = False
+    cfg.mixed_precision = None
+    cfg.optimizer.bf16 = False
+    cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = False
+    cfg.ddp.grad_reduce_in_fp32 = False
+    cfg.dataset.seq_length, cfg.dataset.split = SEQ, "100,0,0"  # no validation split: no evaluation
+    cfg.dataset.num_workers, cfg.dataset.pin_memory, cfg.dataset.persistent_workers = 0, False, False
+    cfg.tokenizer.vocab_size = 128
+    cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size = STEPS, GLOBAL_BATCH, MICRO_BATCH
+    cfg.validation.eval_iters, cfg.validation.eval_interval = 0, None
+    cfg.scheduler.lr_warmup_iters = 0
+    cfg.checkpoint.save = None
+    cfg.checkpoint.save_interval = None
+    cfg.logger.tensorboard_dir, cfg.logger.log_interval = None, 1
+    cfg.dist.distributed_backend = "gloo"
+    cfg.dataset.path_to_cache = None  # mock data: each rank builds its indices (no cache to share)
+    return cfg
+
+
+def _train(cp: int, **longctx) -> list[float]:
+    """Rank body: Bridge's pretrain() of the tiny recipe; the global loss of each step (mean over its tokens)."""
+    import_bridge()
+    import torch
+    import torch.distributed as dist
+    from megatron.bridge.training import gpt_step
+    from megatron.bridge.training.pretrain import pretrain
+    from megatron.core import parallel_state
+
+    from megatron_longctx import cpu_compat
+    from megatron_longctx.bridge import configure
+
+    sums: list[torch.Tensor] = []
+
+    @functools.wraps(gpt_step.forward_step)
+    def forward_step(state, data_iterator, model, return_schedule_plan=False):
+        output, loss_fn = gpt_step.forward_step(state, data_iterator, model, return_schedule_plan)
+
+        def recorded(output_tensor):
+            loss, tokens, report = loss_fn(output_tensor)
+            sums.append(torch.stack([loss.detach().double().sum(), tokens.detach().double().sum()]))
+            return loss, tokens, report
+
+        return output, recorded
+
+    cfg = configure(tiny_recipe(cp), **longctx)
+    with cpu_compat.enabled():
+        pretrain(cfg, forward_step)
+    parallel_state.destroy_model_parallel()
+    per_step = torch.stack(sums).view(STEPS, -1, 2).sum(1)
+    dist.all_reduce(per_step)
+    return [float(s / n) for s, n in per_step]
+
+
+def _log(run: str, losses: list[float]) -> None:
+    """Append the run's losses to the JSON-lines file ``$LONGCTX_LOSS_LOG`` names, if any (the loss table)."""
+    path = os.environ.get("LONGCTX_LOSS_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"run": run, "losses": losses}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def cp1_losses():
+    first, second = run_ranks(2, _train, 1)
+    assert first == second and len(first) == STEPS
+    _log("bridge vanilla_gpt CP=1", first)
+    return first
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "allgather", "ulysses"])
+def test_context_parallel_losses_equal_cp1(cp1_losses, algorithm):
+    first, second = run_ranks(2, _train, 2, cp_algorithm=algorithm)
+    _log(f"bridge vanilla_gpt CP=2 {algorithm}", first)
+    assert first == second == pytest.approx(cp1_losses, rel=1e-5)
+    assert cp1_losses[-1] < cp1_losses[0]  # it trains
+
+
+def test_memory_features_keep_the_losses(cp1_losses):
+    first, second = run_ranks(2, _train, 2, cp_algorithm="ring", offload_policy="layers", tiled_mlp_tiles=2,
+                              tiled_loss_tiles=2)
+    _log("bridge vanilla_gpt CP=2 ring + layer offload, tiled MLP, tiled loss", first)
+    assert first == second == pytest.approx(cp1_losses, rel=1e-5)
