@@ -65,14 +65,13 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base, **kwargs)
 
     specs = {"transformer_layer_spec": get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)}
-    plugin = config_from_args(args)
     if is_baseline():
         # Megatron's own attention and recompute; what only the plugin can run here (selective layernorm /
         # mlp without Transformer Engine) is left out: recompute does not change the loss.
-        if plugin.memory.recompute_granularity == "selective":
-            config = megatron_config_without_plugin_recompute(config, plugin.memory)
+        if getattr(args, "recompute_granularity", None) == "selective":
+            config = megatron_config_without_plugin_recompute(config, config_from_args(args).memory)
         return build(config, specs)
-    return build_model(build, config, specs, plugin)
+    return build_model(build, config, specs, config_from_args(args))
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list, vp_stage: Optional[int] = None) -> tuple:
