@@ -213,7 +213,7 @@ class Measured:
     over_memory: bool = False  # a process's resident memory passed the limit (killed)
 
 
-def _memory_kib(pid: int) -> tuple[int, int]:
+def memory_kib(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM) of ``pid`` in KiB; (0, 0) when it is gone."""
     rss = hwm = 0
     with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
@@ -263,7 +263,7 @@ def run_measured(command: Sequence[str], cwd: str | os.PathLike | None = None, e
             for pid in {proc.pid} | descendants(proc.pid, tree):
                 known.setdefault(pid, _started(pid))
             for pid in ours():
-                rss, hwm = _memory_kib(pid)
+                rss, hwm = memory_kib(pid)
                 if hwm:
                     peaks[pid] = max(peaks.get(pid, 0), hwm * 1024)
                 if rss_limit_bytes is not None and rss * 1024 > rss_limit_bytes and not why:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_longctx.memory import hooks
+from megatron_longctx.procs import memory_kib
 
 
 @dataclasses.dataclass
@@ -162,8 +163,7 @@ def peak_rss_bytes(reset: bool = False) -> int:
     """This process's peak resident set size (the kernel's ``VmHWM``) since it started or since the last
     ``reset`` (``/proc/self/clear_refs``; where that cannot be written the peak keeps counting from the
     start, never lower than the true peak since the reset)."""
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    peak = memory_kib(os.getpid())[1] * 1024
     if reset:
         with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5: reset the peak resident set size to the current one
