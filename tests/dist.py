@@ -50,6 +50,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         results.put((rank, False, traceback.format_exc()))
         return
+    environ = dict(os.environ)
     while True:
         try:
             task = tasks.get()
@@ -63,8 +64,16 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
             results.put((rank, True, value))
         except BaseException:  # noqa: BLE001
             results.put((rank, False, traceback.format_exc()))
+        finally:  # a task's environment (e.g. the NVTE_* flags a Megatron model sets) does not reach the next
+            _restore_environ(environ)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+
+
+def _restore_environ(saved: dict[str, str]) -> None:
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
 
 
 class RankFailure(AssertionError):

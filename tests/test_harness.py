@@ -1,5 +1,7 @@
 """The spawn harness itself: ranks run, collectives work, failures and hangs surface with tracebacks."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,3 +56,16 @@ def _megatron_groups(tp, cp):
 @pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2), (1, 4)])
 def test_megatron_parallel_state(tp, cp):
     assert run_ranks(4, _megatron_groups, tp, cp) == [(tp, cp)] * 4
+
+
+def _set_env(name):
+    seen = os.environ.get(name)
+    os.environ[name] = "0"
+    return seen
+
+
+def test_environment_does_not_leak_between_tasks():
+    """Megatron's models set NVTE_* flags; a reused rank starts each task with the environment it began with."""
+    name = "LONGCTX_TEST_LEAK_PROBE"
+    assert run_ranks(2, _set_env, name) == [None, None]
+    assert run_ranks(2, _set_env, name) == [None, None]

@@ -3,7 +3,6 @@
 overwrite under ``attention_backend=local`` as Bridge's GPT provider)."""
 
 import json
-import os
 
 import pytest
 
@@ -91,8 +90,6 @@ def _build_through_builder(attention_backend: str, cp: int) -> list:
     from megatron.training.models.base import compose_hooks
     from megatron.training.models.gpt import GPTModelBuilder
 
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # set by the model of the last call
-        os.environ.pop(name, None)
     with megatron_parallel(cp=cp), cpu():
         model_config = _gpt_model_config(cp=cp)
         configure(model_config, tiled_mlp_tiles=2, tiled_loss_tiles=2)
