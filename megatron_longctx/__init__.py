@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "apply_to_spec": "megatron_longctx.megatron.spec",
     "ContextParallelAttention": "megatron_longctx.megatron.core_attention",
-    "add_longctx_args": "megatron_longctx.megatron.args",
-    "config_from_args": "megatron_longctx.megatron.args",
+    "add_longctx_args": "megatron_longctx.megatron.arguments",
+    "config_from_args": "megatron_longctx.megatron.arguments",
     "LongContextConfig": "megatron_longctx.config",
 }
 

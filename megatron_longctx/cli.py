@@ -14,7 +14,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "run": ("megatron_longctx.megatron.pretrain", "the main job: long-context GPT training with context parallelism"),
+    "run": ("megatron_longctx.job.pretrain", "the main job: long-context GPT training with context parallelism"),
     "bench": ("megatron_longctx.bench.regression",
               "regression benchmark against baseline Megatron (--scaling: step time and memory vs length)"),
     "plan": ("megatron_longctx.plan.cli", "plan memory, time and flags for a long-context run"),

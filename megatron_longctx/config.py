@@ -1,7 +1,7 @@
 """Typed configuration of megatron-longctx: one frozen dataclass per feature, flag = field name.
 
 Each field of a feature dataclass listed in :data:`FEATURES` becomes the command-line flag
-``--longctx-<field-with-dashes>`` (:func:`flag_name`, see :mod:`megatron_longctx.megatron.args`),
+``--longctx-<field-with-dashes>`` (:func:`flag_name`, see :mod:`megatron_longctx.megatron.arguments`),
 except the fields whose job a Megatron flag already does (:data:`MEGATRON_FLAGS`).  A field with a
 fixed set of values is annotated ``Literal[...]``: the parser offers exactly those values and
 ``__post_init__`` checks them (:func:`choices`).  ``__post_init__`` validates and every error names the
@@ -142,7 +142,7 @@ class MemoryConfig:
 
     The ``recompute_*`` fields are no ``--longctx-*`` flags: Megatron's own ``--recompute-*`` flags fill
     them with the part of Megatron's recompute that the plugin runs
-    (:func:`megatron_longctx.megatron.args.config_from_args`).
+    (:func:`megatron_longctx.megatron.arguments.config_from_args`).
     """
 
     offload_policy: OffloadPolicy = field(
@@ -226,7 +226,7 @@ class MemoryConfig:
                           "nothing may keep intermediate hidden states); needs --longctx-recompute-tiles > 1 and "
                           "--longctx-offload-policy checkpoint"},
     )
-    lean_norm: bool = field(
+    rmsnorm: bool = field(
         default=False,
         metadata={"help": "RMSNorm keeps only its input and 1/rms for backward, as fused norms do "
                           "(for torch's nn.RMSNorm of Megatron's local spec; TE and apex norms already do)"},
@@ -250,7 +250,7 @@ class MemoryConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise flag_error(name, f"got {value!r}; give an integer >= 0")
-        for name in ("lean_norm", "tiled_loss_recompute", "offload_residual_grad", "tiled_output_over_input"):
+        for name in ("rmsnorm", "tiled_loss_recompute", "offload_residual_grad", "tiled_output_over_input"):
             if not isinstance(getattr(self, name), bool):
                 raise flag_error(name, f"got {getattr(self, name)!r}; give true or false")
         if not isinstance(self.offload_max_inflight, int) or self.offload_max_inflight < 1:
@@ -297,7 +297,7 @@ class MemoryConfig:
     @property
     def any_enabled(self) -> bool:
         return (self.offload_enabled or self.recompute_enabled or self.tiled_mlp_tiles > 1
-                or self.tiled_loss_tiles > 1 or self.lean_norm)
+                or self.tiled_loss_tiles > 1 or self.rmsnorm)
 
 
 # The feature dataclasses whose fields become --longctx-* flags, with the LongContextConfig attribute.

@@ -417,7 +417,7 @@ def cpu_default_args(argv: list[str]) -> tuple[list[str], list[str]]:
     ``argv`` sets the same destination already (e.g. ``--distributed-backend nccl``).  Needs
     ``megatron.training``; returns ``argv`` unchanged when CUDA is available.
     """
-    from megatron_longctx.megatron.args import with_defaults
+    from megatron_longctx.megatron.arguments import with_defaults
 
     if not needed():
         return list(argv), []
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"megatron_longctx.cpu_compat: no such script: {argv[0]}")
     script = os.path.abspath(argv[0])
     sys.path.insert(0, os.path.dirname(script))  # before Megatron is imported: the script's tree first
-    from megatron_longctx.megatron.args import megatron_parser, with_defaults
+    from megatron_longctx.megatron.arguments import megatron_parser, with_defaults
 
     skip_built_helpers()  # the wheel ships the compiled dataset helpers without their Makefile
     log_losses()  # $LONGCTX_LOSS_LOG, as the launcher writes it

@@ -9,7 +9,7 @@ Sections (each with its own time budget; an error in one is recorded and the nex
 * ``ring`` — the real ring schedule of P = 2, 4, 8 ranks for causal, windowed and packed (THD)
   layouts, run block by block on one GPU against one kernel call (per document when packed): outputs
   and gradients, pair counts, efficiency;
-* ``offload`` — a GPTModel trained plain and with ``memory.install`` offloading every layer: peak
+* ``offload`` — a GPTModel trained plain and with ``memory_spec.install`` offloading every layer: peak
   memory, gradients, host-link bandwidth and how much of the copies hid behind compute;
 * ``offload_one_connection`` — the same in a child process under ``CUDA_DEVICE_MAX_CONNECTIONS=1``
   (Megatron's setting for TP/SP overlap, which can serialise the offload side stream);

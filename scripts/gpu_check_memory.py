@@ -1,4 +1,4 @@
-"""gpu_check sections on memory: activation offload wired as ``memory.install`` wires it; full recompute
+"""gpu_check sections on memory: activation offload wired as ``memory_spec.install`` wires it; full recompute
 replayed in sequence tiles, alone and with its layer inputs offloaded and read back one tile at a time;
 the longest trainable sequence with every memory feature on, after a numerics check of those features.
 """
@@ -41,7 +41,8 @@ def section_offload(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
     tensors (host on a GPU; disk on the CPU, where host offload lowers nothing).  ``install`` runs before
     the model moves to the device, as under ``--use-cpu-initialization``."""
     require_megatron()
-    from megatron_longctx.memory import MemoryConfig, install
+    from megatron_longctx.megatron.memory_spec import install
+    from megatron_longctx.memory import MemoryConfig
 
     dtype = dtype_for(device)
     shape, seq = sizes.offload_model, sizes.offload_seq
@@ -101,7 +102,7 @@ class _OutOfTime(Exception):
 
 
 def _try_seq(seq: int, device: torch.device, shape: dict, features: dict, deadline: float = float("inf")) -> dict:
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     def in_time(*_: Any) -> None:
         if time.monotonic() > deadline:
@@ -147,7 +148,7 @@ def _try_seq(seq: int, device: torch.device, shape: dict, features: dict, deadli
 
 def _numerics(device: torch.device, sizes: Sizes, features: dict) -> dict:
     """Loss and gradients with every feature on against the same model with none (CP attention both)."""
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     shape, seq = sizes.stack, sizes.numerics_seq
     tokens, pos = batch(shape, seq, device)
@@ -292,7 +293,7 @@ def _peak_step(model, tokens, pos, device: torch.device) -> dict:
 def _replay_run(shape: dict, seq: int, dtype: torch.dtype, device: torch.device, cfg, tokens, pos,
                 warmup: int = 0) -> dict:
     """``warmup`` steps and one measured step of a GPTModel with all-gather core attention (CP=1) under ``cfg``."""
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     model, _ = build_gpt(shape, seq, dtype, {"cp_algorithm": "allgather"})
     model = model.to(device)

@@ -61,7 +61,7 @@ def _ddp_main_grads(shape: dict, seq: int, dtype: torch.dtype, device: torch.dev
     Megatron's DDP with every linear's gradient accumulation fused: the loss and each ``main_grad``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     model, _ = build_gpt(shape, seq, dtype, {"cp_algorithm": "allgather"})
     handle = install(model, cfg)
@@ -114,20 +114,20 @@ def section_residual_grad(device: torch.device, sizes: Sizes, budget: Budget) ->
     through the host pool on the offloader's side stream (disk on the CPU, where host memory is the
     device's): gradients, bytes streamed, step time and peak, and the share of the copy time hidden."""
     require_megatron()
-    from megatron_longctx.memory import MemoryConfig, grad_stream
+    from megatron_longctx.memory import MemoryConfig, residual_offload
 
     shape, seq, dtype = sizes.tiled_model, sizes.tiled_memory_seq, dtype_for(device)
     base = dict(recompute_granularity="full", recompute_tiles=_MEMORY_TILES, offload_policy="checkpoint",
                 offload_target="host" if device.type == "cuda" else "disk",
                 offload_min_bytes=(1 << 16) if device.type == "cuda" else 0)
     handed = []
-    original = grad_stream.hand_over
+    original = residual_offload.hand_over
     out: dict[str, Any] = {"shape": shape, "seq": seq, "dtype": str(dtype), "tiles": _MEMORY_TILES,
                            "target": base["offload_target"]}
     runs = {}
     with single_rank_megatron(device):
         tokens, pos = batch(shape, seq, device)
-        grad_stream.hand_over = lambda consumer, stream: handed.append(1) or original(consumer, stream)
+        residual_offload.hand_over = lambda consumer, stream: handed.append(1) or original(consumer, stream)
         try:
             for name, extra in (("dense", {}), ("streamed", {"offload_residual_grad": True})):
                 if runs and budget.left() < 1.5 * runs["dense"]["wall_s"]:
@@ -138,7 +138,7 @@ def section_residual_grad(device: torch.device, sizes: Sizes, budget: Budget) ->
                                          warmup=1 if device.type == "cuda" else 0)
                 runs[name].update(wall_s=time.monotonic() - t0, handed=len(handed))
         finally:
-            grad_stream.hand_over = original
+            residual_offload.hand_over = original
     dense, streamed = runs["dense"], runs["streamed"]
     moved = streamed["offloader"]["residual_grad_bytes"] / streamed["steps"]
     out.update(compare(dense["result"], streamed["result"]), dense_s=dense["seconds"], streamed_s=streamed["seconds"],

@@ -78,7 +78,7 @@ MUTATIONS = [
              "    return x.repeat_interleave(hq // x.shape[2], dim=2)",
              "    return x.repeat(1, 1, hq // x.shape[2], 1)",
              ("tests/kernels/test_reference.py",), "query head i reads K/V head i % h_kv instead of i // (h_q/h_kv)"),
-    Mutation("ulysses-kv-replica-map", "megatron_longctx/attention/a2a_ring.py",
+    Mutation("ulysses-kv-replica-map", "megatron_longctx/attention/ulysses.py",
              "    return x if f == 1 else x.repeat_interleave(f, dim=2)",
              "    return x if f == 1 else x.repeat(1, 1, f, 1)",
              ("tests/attention/test_cp_attention.py", "-k", "cp4-21-ulysses or cp4-24-ulysses"),

@@ -10,8 +10,8 @@ builder (:mod:`.schedule`).
 
 Modules, bottom up: :mod:`.zigzag` (the chunk rule), :mod:`.args` (arguments and their checks),
 :mod:`.segments` (block calls and the online-softmax loop), :mod:`.layout`, :mod:`.schedule`,
-:mod:`.comm`; the patterns :mod:`.ring`, :mod:`.allgather`, :mod:`.a2a_ring` (Ulysses, hybrid) with
-:mod:`.hybrid_groups`; :mod:`.sinks` (attention sinks on the merged result); :mod:`.agreement` (the
+:mod:`.comm`; the patterns :mod:`.ring`, :mod:`.allgather`, :mod:`.ulysses` (Ulysses, hybrid) with
+:mod:`.hybrid`; :mod:`.sinks` (attention sinks on the merged result); :mod:`.agreement` (the
 cross-rank check); :mod:`.api` (the entry points); :mod:`.sharding` / :mod:`.packed_sharding` (shard and
 gather tensors); :mod:`.packed` (packed names).
 """

@@ -6,7 +6,7 @@ the parameter; an unavailable ``backend`` is the kernels' ``KernelUnsupported``)
 configuration that every rank agrees (:mod:`.agreement`), describes the tokens as one
 :class:`.layout.SeqLayout` (a dense sequence is one document), moves them to the kernels' ``[b, t,
 h, d]`` and dispatches to one communication pattern: :mod:`.ring`, :mod:`.allgather` or
-:mod:`.a2a_ring` (Ulysses and the hybrid).
+:mod:`.ulysses` (Ulysses and the hybrid).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..kernels.base import BlockMask
 from ..kernels.select import get_kernel
-from .a2a_ring import a2a_ring_attention
+from .ulysses import ulysses_attention
 from .agreement import check_ranks_agree
 from .allgather import AllGatherAttention
 from .args import (
@@ -31,7 +31,7 @@ from .args import (
     check_ulysses_size,
     check_window,
 )
-from .hybrid_groups import a2a_and_ring_groups, check_hcp_groups
+from .hybrid import a2a_and_ring_groups, check_hcp_groups
 from .layout import Packing, SeqLayout
 from .ring import RingAttention
 from .schedule import ring_schedule, schedule_pairs
@@ -193,7 +193,7 @@ def _attend(q, k, v, cp_group, layout: SeqLayout, args: AttentionArgs, algorithm
         return AllGatherAttention.apply(q, k, v, cp_group, layout, args, sink)
     if a2a_group is None:  # the ring over cp_group (one rank: local attention)
         return RingAttention.apply(q, k, v, ring_group, ring_schedule(layout, args.mask), args, sink)
-    return a2a_ring_attention(q, k, v, a2a_group, ring_group, layout, args, sink)
+    return ulysses_attention(q, k, v, a2a_group, ring_group, layout, args, sink)
 
 
 def schedule_flops(

@@ -106,7 +106,7 @@ def kv_replication(hq: int, hkv: int, size: int) -> int:
 
 
 def check_ulysses_size(algorithm: str, cp_size: int, hq: int, ulysses_size, hcp_groups) -> None:
-    """The all-to-all group size parameters of ``algorithm`` (the groups themselves: :mod:`.hybrid_groups`)."""
+    """The all-to-all group size parameters of ``algorithm`` (the groups themselves: :mod:`.hybrid`)."""
     if algorithm in ("ring", "allgather") and (ulysses_size is not None or hcp_groups is not None):
         raise ValueError(f"ulysses_size / hcp_groups apply to algorithm='hybrid' (or 'ulysses'), "
                          f"not {algorithm!r}")

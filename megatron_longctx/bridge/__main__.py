@@ -15,7 +15,7 @@ import importlib
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_longctx.megatron.args import DEST_PREFIX, add_longctx_args, given_dests
+from megatron_longctx.megatron.arguments import DEST_PREFIX, add_longctx_args, given_dests
 
 
 def parser() -> argparse.ArgumentParser:

@@ -6,11 +6,11 @@ Three things change on the model config, nothing else:
    around the recipe's own spec (our attention in every self-attention ``core_attention``, the tiled
    MLP when asked);
 2. Megatron's recompute moves into the plugin where Megatron's own cannot serve the memory features
-   (the launcher's rule, :func:`megatron_longctx.megatron.args.plugin_recompute`): the model config's
+   (the launcher's rule, :func:`megatron_longctx.megatron.arguments.plugin_recompute`): the model config's
    ``recompute_*`` are then cleared and the plugin's typed config holds them;
 3. a pre-wrap hook (:class:`LongContextModelHook`, run on the built model before DDP) checks that the
    model holds our attention in every layer and installs the memory features (offload, recompute, tiled
-   loss) with :func:`megatron_longctx.memory.install`.
+   loss) with :func:`megatron_longctx.megatron.memory_spec.install`.
 
 What cannot work together is refused up front, each error naming the config field and the value to use
 (:func:`check_model_config`).  Works with Bridge's ``GPTModelProvider`` and megatron-core's
@@ -65,7 +65,7 @@ def _existing_options(model: Any) -> dict[str, Any]:
 
 def _with_plugin_recompute(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` plus the recompute the plugin must run in Megatron's place (``{}`` added: Megatron's own)."""
-    from megatron_longctx.megatron.args import plugin_recompute
+    from megatron_longctx.megatron.arguments import plugin_recompute
 
     merged = {**_existing_options(model), **options}
     if any(name in merged for name in MEGATRON_FLAGS):
@@ -88,7 +88,7 @@ def _field_error(name: str, value: Any, message: str) -> ValueError:
 def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: bool = False) -> None:
     """Refuse what cannot run with our attention and memory features; each error names the field and fix.
     ``recompute_moved``: the plugin's recompute is the model config's own, moved (then cleared there)."""
-    from megatron_longctx.megatron.args import _check_kernel_backend
+    from megatron_longctx.megatron.arguments import _check_kernel_backend
 
     backend = getattr(model, "attention_backend", None)
     if getattr(backend, "name", backend) == "local":

@@ -14,8 +14,8 @@ reversible with :func:`uninstall`):
   ``get_gpt_*_spec`` getters imported by name into ``gpt_builders.py`` (0.16) or
   ``megatron.training.models.gpt`` (0.19), ``--spec MODULE NAME``, the ModelOpt specs, and the in-place
   ``--attention-backend local`` override that 0.19 applies right before ``GPTModel(...)``.  When memory
-  features are configured, :func:`megatron_longctx.memory.install` is applied to the built model (both through
-  :func:`megatron_longctx.megatron.memory_spec.build_model`, which the main job's model provider uses too).
+  features are configured, :func:`megatron_longctx.megatron.memory_spec.install` is applied to the built model (both through
+  :func:`megatron_longctx.megatron.spec.build_model`, which the main job's model provider uses too).
 
 Users who prefer editing ``pretrain_gpt.py`` find the equivalent few-line diffs in ``patches/``.
 """
@@ -91,13 +91,13 @@ def current_config() -> LongContextConfig:
         return LongContextConfig()
     if args is None or not hasattr(args, "longctx_cp_algorithm"):
         return LongContextConfig()
-    from megatron_longctx.megatron.args import config_from_args
+    from megatron_longctx.megatron.arguments import config_from_args
 
     return config_from_args(args)
 
 
 def _wrap_add_megatron_arguments(original: Callable) -> Callable:
-    from megatron_longctx.megatron.args import add_longctx_args, check_after_parsing, escape_help_percents
+    from megatron_longctx.megatron.arguments import add_longctx_args, check_after_parsing, escape_help_percents
 
     @functools.wraps(original)
     def add_megatron_arguments(parser, *args, **kwargs):
@@ -122,7 +122,7 @@ def _wrap_add_megatron_arguments(original: Callable) -> Callable:
 
 
 def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
-    from megatron_longctx.megatron.memory_spec import build_model
+    from megatron_longctx.megatron.spec import build_model
 
     signature = inspect.signature(original)
 
@@ -239,7 +239,7 @@ def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
       default 0.1 is not supported under CP; an explicit value is checked after parsing).
     """
     from megatron_longctx import cpu_compat
-    from megatron_longctx.megatron.args import megatron_parser, with_defaults
+    from megatron_longctx.megatron.arguments import megatron_parser, with_defaults
 
     try:
         parser = megatron_parser()
@@ -265,7 +265,7 @@ def _print_help() -> None:
           "flags given explicitly win. Megatron-LM's arguments, with the megatron-longctx group:\n")
     import argparse
 
-    from megatron_longctx.megatron.args import add_longctx_args, megatron_parser
+    from megatron_longctx.megatron.arguments import add_longctx_args, megatron_parser
 
     try:
         parser = megatron_parser()

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from megatron_longctx.config import LongContextConfig, MemoryConfig
-from megatron_longctx.memory import grad_stream, hooks
+from megatron_longctx.memory import hooks, residual_offload
 from megatron_longctx.memory.offload import ActivationOffloader
 from megatron_longctx.memory.recompute import (
     SELECTIVE_TARGETS,
@@ -42,7 +42,7 @@ from megatron_longctx.memory.recompute import (
     find_submodule,
     full_recompute_layers,
 )
-from megatron_longctx.memory.lean_norm import install_lean_norms
+from megatron_longctx.memory.rmsnorm import install_lean_norms
 from megatron_longctx.memory.tiled_loss import install_tiled_loss
 from megatron_longctx.memory.tiled_recompute import tiled_checkpoint
 from megatron_longctx.memory.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
@@ -173,7 +173,7 @@ def _scope_module(module: torch.nn.Module, name: str) -> Callable[[], None]:
 
 def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConfig, recompute: bool,
                 offloader: Optional[ActivationOffloader], discard: Optional[DiscardOutputPacker],
-                grad_target: Optional[grad_stream.Target] = None) -> Callable[[], None]:
+                grad_target: Optional[residual_offload.Target] = None) -> Callable[[], None]:
     original = layer.forward
     offload_here = offloader is not None and (cfg.offload_policy != "checkpoint" or recompute)
 
@@ -296,7 +296,7 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
     handle = MemoryHandle(cfg=cfg, layers=layers, offloader=offloader)
     grad_target = None
     if cfg.offload_residual_grad:
-        grad_target = grad_stream.Target(offloader.disk_dir if cfg.offload_target == "disk" else None, offloader)
+        grad_target = residual_offload.Target(offloader.disk_dir if cfg.offload_target == "disk" else None, offloader)
     if cfg.tiled_mlp_tiles > 1:
         tiled = tiled_mlp_type()
         mlps = [getattr(layer, "mlp", None) for layer in layers]
@@ -317,7 +317,7 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
         if losses:
             handle.active["tiled loss"] = (f"{cfg.tiled_loss_tiles} tiles"
                                            f"{', logits recomputed in backward' if cfg.tiled_loss_recompute else ''}")
-    if cfg.lean_norm:
+    if cfg.rmsnorm:
         norms = install_lean_norms(chunks)
         handle.removers.extend(norms)
         handle.active["lean RMSNorm"] = f"{len(norms)} norms" if norms else "none (the model has no torch RMSNorm)"
@@ -354,7 +354,7 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
 
 
 def _describe_layers(handle: MemoryHandle, cfg: MemoryConfig, recomputed: int,
-                     grad_target: Optional[grad_stream.Target]) -> None:
+                     grad_target: Optional[residual_offload.Target]) -> None:
     layers = len(handle.layers)
     if cfg.recompute_granularity == "full":
         tiles = f", replayed in {cfg.recompute_tiles} sequence tiles" if cfg.recompute_tiles > 1 else ""
@@ -373,7 +373,7 @@ def _describe_layers(handle: MemoryHandle, cfg: MemoryConfig, recomputed: int,
 
 def megatron_config_without_plugin_recompute(config: Any, cfg: MemoryConfig) -> Any:
     """``config`` (a TransformerConfig) as the model is built with it: where the plugin runs the recompute
-    (:func:`megatron_longctx.megatron.args.plugin_recompute` says when), a copy with Megatron's off."""
+    (:func:`megatron_longctx.megatron.arguments.plugin_recompute` says when), a copy with Megatron's off."""
     if not cfg.recompute_enabled or not getattr(config, "recompute_granularity", None):
         return config
     config = copy.copy(config)
@@ -381,29 +381,6 @@ def megatron_config_without_plugin_recompute(config: Any, cfg: MemoryConfig) -> 
         setattr(config, name, None)
     config.recompute_modules = []
     return config
-
-
-def build_model(build: Callable[[Any, dict[str, Any]], Any], config: Any, specs: dict[str, Any],
-                cfg: LongContextConfig, who: str = "megatron-longctx") -> Any:
-    """Build a Megatron model with the plugin in it: the one path of the launcher and the main job.
-
-    ``build(config, specs)`` builds the model (``GPTModel(config, **specs)`` or the like) and returns it;
-    ``specs`` maps its spec arguments (layer / stack spec, MTP block spec; ``None`` entries are passed
-    through).  In this order:
-
-    1. every spec gets :class:`ContextParallelAttention` and the spec-level memory features
-       (:func:`megatron_longctx.megatron.spec.transform_spec`);
-    2. where the plugin runs Megatron's recompute, the model is built with Megatron's off
-       (:func:`megatron_config_without_plugin_recompute`), so :func:`install` does not refuse the pair;
-    3. :func:`install` puts the memory features on the built model; the handle is
-       ``model._longctx_memory_handle``, and rank 0 prints one line naming each feature and where it went.
-    """
-    from megatron_longctx.megatron.spec import transform_spec
-
-    specs = {name: None if spec is None else transform_spec(spec, cfg, require=False) for name, spec in specs.items()}
-    model = build(megatron_config_without_plugin_recompute(config, cfg.memory), specs)
-    install_and_report(model, cfg, who)
-    return model
 
 
 def install_and_report(model: Any, cfg: LongContextConfig, who: str = "megatron-longctx") -> Optional[MemoryHandle]:

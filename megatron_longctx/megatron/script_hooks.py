@@ -11,7 +11,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 from megatron_longctx.config import LongContextConfig
-from megatron_longctx.megatron.args import add_longctx_args
+from megatron_longctx.megatron.arguments import add_longctx_args
 from megatron_longctx.megatron.script_setup import skip_built_helpers
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 from megatron_longctx.config import ContextParallelConfig, LongContextConfig
 
@@ -129,7 +129,7 @@ def apply_to_spec(spec: Any, *, config: LongContextConfig | None = None, **optio
     block/stack ``ModuleSpec`` such as the HybridModel/Mamba stack spec, a list of layer specs).
     ``options``: ``--longctx-*`` field names (``cp_algorithm="ring"``, ``cp_kernel_backend=...``, memory
     options such as ``tiled_mlp_tiles=4``), or one ``config=LongContextConfig(...)``.  Memory options
-    that change the spec go through :func:`megatron_longctx.memory.apply_memory_to_layer_spec`.
+    that change the spec go through :func:`megatron_longctx.megatron.memory_spec.apply_memory_to_layer_spec`.
     Raises ``ValueError`` when the spec holds no self-attention to replace.
     """
     return transform_spec(spec, _options_to_config(config, options), require=True)
@@ -143,10 +143,33 @@ def transform_spec(spec: Any, cfg: LongContextConfig, require: bool = True) -> A
         raise ValueError(f"apply_to_spec found no self-attention core_attention in {type(spec).__name__}; pass a "
                          "Megatron layer spec (e.g. get_gpt_layer_local_spec()), block spec or stack spec")
     if cfg.memory.any_enabled:
-        from megatron_longctx.memory import apply_memory_to_layer_spec
+        from megatron_longctx.megatron.memory_spec import apply_memory_to_layer_spec
 
         out = apply_memory_to_layer_spec(out, cfg.memory)
     return out
+
+
+def build_model(build: Callable[[Any, dict[str, Any]], Any], config: Any, specs: dict[str, Any],
+                cfg: LongContextConfig, who: str = "megatron-longctx") -> Any:
+    """Build a Megatron model with the plugin in it: the one path of the launcher and the main job.
+
+    ``build(config, specs)`` builds the model (``GPTModel(config, **specs)`` or the like) and returns it;
+    ``specs`` maps its spec arguments (layer / stack spec, MTP block spec; ``None`` entries are passed
+    through).  In this order:
+
+    1. every spec gets :class:`ContextParallelAttention` and the spec-level memory features
+       (:func:`transform_spec`);
+    2. where the plugin runs Megatron's recompute, the model is built with Megatron's off
+       (:func:`~megatron_longctx.megatron.memory_spec.megatron_config_without_plugin_recompute`), so ``install`` does not refuse the pair;
+    3. :func:`~megatron_longctx.megatron.memory_spec.install` puts the memory features on the built model; the handle is
+       ``model._longctx_memory_handle``, and rank 0 prints one line naming each feature and where it went.
+    """
+    from megatron_longctx.megatron.memory_spec import install_and_report, megatron_config_without_plugin_recompute
+
+    specs = {name: None if spec is None else transform_spec(spec, cfg, require=False) for name, spec in specs.items()}
+    model = build(megatron_config_without_plugin_recompute(config, cfg.memory), specs)
+    install_and_report(model, cfg, who)
+    return model
 
 
 def count_context_parallel_attention(spec: Any) -> int:

@@ -1,12 +1,10 @@
 """Activation memory for long context: offload, recompute, tiled MLP, tiled logits + loss, accounting.
 
-Public entry points (names that need Megatron-Core load on first use):
+The mechanisms, on plain modules and tensors. Wiring them into a Megatron model (spec changes, hooks on a
+built model) is :mod:`megatron_longctx.megatron.memory_spec`.
 
 * :class:`MemoryConfig` — the typed configuration (``--longctx-*`` flags; defined in
-  :mod:`megatron_longctx.config` with every feature config);
-* :func:`apply_memory_to_layer_spec` — spec-level changes (tiled MLP, selective recompute wrappers);
-* :func:`install` — hooks on a built model (offload, full recompute, tiled loss); returns a handle with
-  ``remove()``.
+  :mod:`megatron_longctx.config` with every feature config).
 """
 
 from __future__ import annotations
@@ -16,9 +14,6 @@ import importlib
 from megatron_longctx.config import MemoryConfig  # noqa: F401 - public name (defined with every feature config)
 
 _LAZY = {
-    "apply_memory_to_layer_spec": "megatron_longctx.megatron.memory_spec",
-    "install": "megatron_longctx.megatron.memory_spec",
-    "MemoryHandle": "megatron_longctx.megatron.memory_spec",
     "ActivationOffloader": "megatron_longctx.memory.offload",
     "tiled_logits_loss": "megatron_longctx.memory.tiled_loss",
     "TiledMLP": "megatron_longctx.memory.tiled_mlp",

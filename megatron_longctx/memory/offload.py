@@ -66,7 +66,7 @@ class OffloadStats:
     prefetched_groups: int = 0
     waited_copies: int = 0  # copies the offloader waited for because offload_max_inflight were pending
     param_refreshes: int = 0  # parameter address sets read (first use and after parameters moved)
-    residual_grad_bytes: int = 0  # streamed residual-gradient rows moved, both ways (:mod:`.grad_stream`)
+    residual_grad_bytes: int = 0  # streamed residual-gradient rows moved, both ways (:mod:`.residual_offload`)
 
 
 class _Stored:
@@ -238,7 +238,7 @@ def _storage_ptrs(t: torch.Tensor) -> list[int]:
 class ActivationOffloader:
     """Packer for :mod:`megatron_longctx.memory.hooks` that offloads by policy; see module docstring.
 
-    The model wiring (:func:`megatron_longctx.memory.install`) opens :func:`hooks.layer_scope` around
+    The model wiring (:func:`megatron_longctx.megatron.memory_spec.install`) opens :func:`hooks.layer_scope` around
     each transformer layer, :func:`hooks.module_scope` around named submodules, and calls
     :meth:`next_microbatch` at every new forward of the first layer of each model chunk, so that
     pipeline schedules with several micro-batches in flight key their tensors apart.

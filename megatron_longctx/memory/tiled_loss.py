@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_longctx.memory import grad_buffers, grad_stream
+from megatron_longctx.memory import grad_buffers, residual_offload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TiledLossArgs:
     recompute: bool = False  # backward recomputes the logits (forward keeps hidden and lse only)
     into_main_grad: bool = False  # recompute: the weight's gradient accumulates into its Megatron main_grad
     norm: Optional[Callable] = None  # recompute: the final norm, applied per tile (hidden is its input)
-    grad_target: Optional[grad_stream.Target] = None  # recompute: d hidden may stream (--longctx-offload-residual-grad)
+    grad_target: Optional[residual_offload.Target] = None  # recompute: d hidden may stream (--longctx-offload-residual-grad)
 
 
 def _group_size_rank(group: Any) -> tuple[int, int]:
@@ -175,14 +175,14 @@ def _weight_grad_target(args: TiledLossArgs, weight: torch.Tensor) -> torch.Tens
 def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.Tensor,
                                   target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
                                   norm_params: tuple = (),
-                                  stream: Optional[grad_stream.GradStream] = None) -> tuple:
+                                  stream: Optional[residual_offload.ResidualGradOffload] = None) -> tuple:
     """Gradients of ``sum(grad_loss * loss)`` with each tile's logits recomputed from ``hidden`` and ``lse``:
     ``(d hidden, d weight, *d norm_params)``.
 
     Exact for any ``grad_loss`` (each token's row of D is scaled by its own gradient).  With
     ``args.norm`` each tile's norm runs again and backpropagates its share into ``hidden`` (the norm's
     input) and ``norm_params``.  With ``stream`` the rows of ``d hidden`` are written there, one tile at a
-    time, and it is returned in place of a tensor (:mod:`grad_stream`).
+    time, and it is returned in place of a tensor (:mod:`residual_offload`).
     """
     tp, rank = _group_size_rank(args.tp_group)
     v_start = rank * weight.shape[0]
@@ -230,7 +230,7 @@ class TiledLogitsLoss(torch.autograd.Function):
         ctx.watch = grad_buffers.Watch(hidden)
         tp = _group_size_rank(args.tp_group)[0]
         streams = args.grad_target is not None and args.recompute and not (args.reduce_grad_input and tp > 1)
-        ctx.consumer = grad_stream.consumer_of(hidden, ctx.watch) if streams else None
+        ctx.consumer = residual_offload.consumer_of(hidden, ctx.watch) if streams else None
         if args.recompute:
             ctx.save_for_backward(hidden, weight, target, lse)
         else:
@@ -247,7 +247,7 @@ class TiledLogitsLoss(torch.autograd.Function):
             grad_hidden, grad_weight, *grad_norm = tiled_loss_backward_recompute(
                 ctx.args, hidden, weight, target, lse, grad_loss.to(lse.dtype), ctx.norm_params, stream)
             grad_hidden = (grad_buffers.own(grad_hidden, ctx.watch) if stream is None
-                           else grad_stream.hand_over(ctx.consumer, stream))
+                           else residual_offload.hand_over(ctx.consumer, stream))
             return None, grad_hidden, grad_weight, None, *grad_norm
         if getattr(ctx, "done", False):  # the saved D @ W and D^T h were scaled in place by the first backward
             raise RuntimeError("tiled logits+loss: a second backward through the same graph (retain_graph=True) is "
@@ -264,7 +264,7 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
                       num_tiles: int, *, reduce_grad_input: bool = True, recompute: bool = False,
                       into_main_grad: bool = False, norm: Optional[torch.nn.Module] = None,
                       norm_forward: Optional[Callable] = None,
-                      grad_target: Optional[grad_stream.Target] = None) -> torch.Tensor:
+                      grad_target: Optional[residual_offload.Target] = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ output_weight.T`` against ``labels``, over ``num_tiles`` sequence tiles.
 
     Args:
@@ -286,7 +286,7 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
             in forward and again in backward: its ``[s, b, h]`` output is never kept (``hidden`` is the
             norm's input).  ``norm_forward`` calls it (default: the module itself).
         grad_target: with ``recompute``, the gradient of ``hidden`` goes there a tile at a time when the
-            node that receives it reads streams (a tiled layer replay, :mod:`grad_stream`).
+            node that receives it reads streams (a tiled layer replay, :mod:`residual_offload`).
     Returns:
         per-token loss ``[b, s]`` float32, as Megatron's ``compute_language_model_loss``.
     """
@@ -323,7 +323,7 @@ def _pass_through(hidden: torch.Tensor) -> torch.Tensor:
 
 
 def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bool = False,
-                       grad_target: Optional[grad_stream.Target] = None) -> Callable[[], None]:
+                       grad_target: Optional[residual_offload.Target] = None) -> Callable[[], None]:
     """Make ``gpt_model(..., labels=...)`` compute its loss with :func:`tiled_logits_loss`.
 
     During a forward with labels, the model's ``output_layer`` hands the final hidden states through

@@ -16,7 +16,7 @@ query tile can see all keys.  :func:`tiled_checkpoint` replays in three passes, 
 
 Forward is passes 1 and 2 without gradients (its output may be written over its input,
 ``output_over_input``).  Peak memory per token is then the layer's input and output gradients (one
-buffer, or none on the device when they stream, :mod:`grad_stream`), the gathered K/V and dK/dV, and
+buffer, or none on the device when they stream, :mod:`residual_offload`), the gathered K/V and dK/dV, and
 one tile's activations (FPDT, Yao et al. 2024, arXiv:2408.16978, runs a layer in sequence chunks the
 same way); the layer input too, unless the checkpoint offload holds it (:func:`hooks.pack_rows`: each
 pass reads it back one tile at a time).  Parameter gradients are summed over the tiles (straight into
@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_longctx.memory import grad_buffers, grad_stream, hooks
+from megatron_longctx.memory import grad_buffers, hooks, residual_offload
 from megatron_longctx.memory.recompute import RngSnapshot, _SwapRng
 
 COLLECT = "collect"  # store the tile's K/V, stop at the core attention
@@ -134,7 +134,7 @@ class _TiledCall:
     kwargs: dict
     num_tiles: int
     rng: RngSnapshot
-    grad_target: Optional[grad_stream.Target] = None  # --longctx-offload-residual-grad: where dx may stream
+    grad_target: Optional[residual_offload.Target] = None  # --longctx-offload-residual-grad: where dx may stream
     output_over_input: bool = False  # --longctx-tiled-output-over-input
     out_spec: Any = None
     token_slots: Optional[list] = None  # output leaves with one row per token (concatenated over tiles)
@@ -217,9 +217,9 @@ def _forward(call: _TiledCall, x: torch.Tensor,
 
 class _OutputGrad:
     """One output's gradient, read a tile of rows at a time: a tensor, a stream, or a stream plus the
-    gradient autograd added to it (:mod:`grad_stream`)."""
+    gradient autograd added to it (:mod:`residual_offload`)."""
 
-    def __init__(self, dense: Optional[torch.Tensor], stream: Optional[grad_stream.GradStream]) -> None:
+    def __init__(self, dense: Optional[torch.Tensor], stream: Optional[residual_offload.ResidualGradOffload]) -> None:
         self.dense, self.stream = dense, stream
 
     def rows(self, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
@@ -239,7 +239,7 @@ class _InputGrad:
     """
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                 dense: Optional[torch.Tensor] = None, stream: Optional[grad_stream.GradStream] = None,
+                 dense: Optional[torch.Tensor] = None, stream: Optional[residual_offload.ResidualGradOffload] = None,
                  onward: bool = False) -> None:
         self.like = (shape, dtype, device)
         self.dense, self.stream, self.onward = dense, stream, onward
@@ -315,14 +315,14 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
     return dparams.result()
 
 
-@grad_stream.reads_streams
+@residual_offload.reads_streams
 class TiledCheckpointFunction(torch.autograd.Function):
     """Keeps the layer input and replays the layer in tiles.
 
     An offload packer that serves row ranges (:func:`hooks.pack_rows`: the checkpoint offload) takes the
     input, and backward reads it back one tile at a time, never whole; otherwise it is saved with
     ``save_for_backward`` (any outer packer sees it as usual).  The output gradients may come as
-    streams and the input's may leave as one (:mod:`grad_stream`).
+    streams and the input's may leave as one (:mod:`residual_offload`).
     """
 
     @staticmethod
@@ -331,7 +331,7 @@ class TiledCheckpointFunction(torch.autograd.Function):
         ctx.rows_item = hooks.pack_rows(x)
         ctx.input_like = (x.shape, x.dtype, x.device)
         ctx.watch = grad_buffers.Watch(x)
-        ctx.consumer = grad_stream.consumer_of(x, ctx.watch) if call.grad_target is not None else None
+        ctx.consumer = residual_offload.consumer_of(x, ctx.watch) if call.grad_target is not None else None
         if ctx.rows_item is None:
             ctx.save_for_backward(x)
         # the output over the input's memory: only once its values are safe off the device, and only in a
@@ -355,7 +355,7 @@ class TiledCheckpointFunction(torch.autograd.Function):
         else:
             rows = functools.partial(hooks.unpack_rows, item)
         shape, dtype, device = ctx.input_like
-        taken = [grad_stream.take(ctx, slot, g) for slot, g in enumerate(grads)]
+        taken = [residual_offload.take(ctx, slot, g) for slot, g in enumerate(grads)]
         out_grads = [None if stream is None and g is None else _OutputGrad(g, stream) for stream, g in taken]
         stream_in, added = taken[0] if len(taken) == 1 else (None, None)
         onward = ctx.consumer is not None and ctx.watch.private()
@@ -372,19 +372,19 @@ class TiledCheckpointFunction(torch.autograd.Function):
         with _SwapRng(ctx.call.rng), hooks.paused():
             dparams = _backward(ctx.call, rows, dx, ctx.params, out_grads)
         if dx.onward:
-            return (None, grad_stream.hand_over(ctx.consumer, dx.stream), *dparams)
+            return (None, residual_offload.hand_over(ctx.consumer, dx.stream), *dparams)
         return (None, grad_buffers.own(dx.dense, ctx.watch), *dparams)
 
 
 def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any,
-                     grad_target: Optional[grad_stream.Target] = None, output_over_input: bool = False,
+                     grad_target: Optional[residual_offload.Target] = None, output_over_input: bool = False,
                      ranges: Optional[RangeStack] = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a transformer layer) kept as its input and replayed in ``num_tiles`` tiles.
 
     The first argument (or ``hidden_states``) is ``[s, b, h]``, cut along ``s``; the rotary
     embeddings (:data:`PER_TOKEN_KWARGS`) are cut with it; ``params()`` gives the layer's parameters.
     Every tensor output with one row per token is concatenated over the tiles; other outputs come
-    from the first tile.  ``grad_target``: the input's gradient may stream there (:mod:`grad_stream`).
+    from the first tile.  ``grad_target``: the input's gradient may stream there (:mod:`residual_offload`).
     ``output_over_input``: the first output is written over the input's memory when the checkpoint
     offload holds the input's values (an in-place op on the input, as ``x.add_(...)``: the caller's
     tensor then holds the output).  ``ranges``: the profiler ranges ``fn`` opens (Megatron's NVTX stack),

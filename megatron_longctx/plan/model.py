@@ -325,7 +325,7 @@ def layer_activations(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, 
 def check_recompute_tiles(m: ModelShape, par: Parallel, opt: MemoryOptions) -> None:
     """The parallel layout and model that a layer replay in sequence tiles refuses (``ValueError``).
 
-    The refusals of ``megatron_longctx.megatron.args._check_recompute_tiles`` and
+    The refusals of ``megatron_longctx.megatron.arguments._check_recompute_tiles`` and
     ``memory_spec._check_tiled_replay``: CP > 1 needs the all-gather algorithm (K/V gathered once per
     layer); sequence parallelism (TP > 1) and MoE layers are not cut per tile.
     """

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_longctx.attention.a2a_ring import (
+from megatron_longctx.attention.ulysses import (
     heads_to_seq,
     heads_to_seq_packed,
     in_halves,

@@ -200,7 +200,7 @@ def test_ring_backward_without_the_overlap_split(world_size):
 def test_ulysses_and_hybrid_with_one_all_to_all_per_tensor(world_size):
     # every shard "long": q, k, v and their gradients in their own all-to-alls
     cases = [c for c in _cases(world_size) if c.algorithm in ("ulysses", "hybrid")]
-    assert run_ranks(world_size, _run_with_zero, "a2a_ring", "PACK_MAX_TOKENS", cases)[0] == len(cases) > 0
+    assert run_ranks(world_size, _run_with_zero, "ulysses", "PACK_MAX_TOKENS", cases)[0] == len(cases) > 0
 
 
 def _uneven_heads():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from megatron_longctx.attention.a2a_ring import HeadsAttention, head_pieces
+from megatron_longctx.attention.ulysses import HeadsAttention, head_pieces
 from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention.layout import SeqLayout
 from megatron_longctx.attention.schedule import ring_schedule

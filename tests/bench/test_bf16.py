@@ -24,7 +24,7 @@ def _batches(seq, n, vocab):
 
 def _train(bf16: bool, plugin: bool):
     from megatron_longctx import cpu_compat
-    from megatron_longctx.megatron.training import GPTShape, OptimConfig, Trainer, Variant
+    from megatron_longctx.bench.engine import GPTShape, OptimConfig, Trainer, Variant
 
     shape = GPTShape(**SMALL, seq_length=64, bf16=bf16)
     variant = (Variant("p", context_parallel_size=2, plugin=True,
@@ -62,7 +62,7 @@ def test_bf16_losses_are_float32_losses_within_bf16_rounding_and_the_plugin_matc
 
 def _parameters(shapes):
     from megatron_longctx import cpu_compat
-    from megatron_longctx.megatron.training import GPTShape, OptimConfig, Trainer, Variant
+    from megatron_longctx.bench.engine import GPTShape, OptimConfig, Trainer, Variant
 
     counts = []
     with cpu_compat.enabled():

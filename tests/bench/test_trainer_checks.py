@@ -1,9 +1,9 @@
-"""The benchmark's in-process Trainer (megatron/training.py) refuses bad shapes and layouts naming the flag."""
+"""The benchmark's in-process Trainer (bench/engine.py) refuses bad shapes and layouts naming the flag."""
 
 import pytest
 import torch
 
-from megatron_longctx.megatron.training import GPTShape
+from megatron_longctx.bench.engine import GPTShape
 from tests.dist import run_ranks
 
 
@@ -19,7 +19,7 @@ def test_bad_model_shape_names_the_flag(kwargs, flag):
 
 def _bad_layout(argv):
     from megatron_longctx import cpu_compat
-    from megatron_longctx.megatron.training import OptimConfig, Trainer, Variant
+    from megatron_longctx.bench.engine import OptimConfig, Trainer, Variant
 
     shape = GPTShape(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                        seq_length=130)
@@ -42,27 +42,27 @@ def test_bad_layout_names_the_flag():
 
 def _steps(materialize: bool):
     from megatron_longctx import cpu_compat
-    from megatron_longctx.megatron import training
-    from megatron_longctx.megatron.training import OptimConfig, Trainer, Variant
+    from megatron_longctx.bench import engine
+    from megatron_longctx.bench.engine import OptimConfig, Trainer, Variant
 
     shape = GPTShape(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                      seq_length=32)
     g = torch.Generator().manual_seed(0)
     batches = [{"tokens": torch.randint(0, 256, (2, 32), generator=g), "labels": torch.randint(0, 256, (2, 32), generator=g),
                 "loss_mask": torch.ones(2, 32), "position_ids": torch.arange(32).expand(2, 32)} for _ in range(3)]
-    original = training.materialize_optimizer_state
+    original = engine.materialize_optimizer_state
     if not materialize:
-        training.materialize_optimizer_state = lambda optimizer: None
+        engine.materialize_optimizer_state = lambda optimizer: None
     try:
         with cpu_compat.enabled():
             trainer = Trainer(shape, Variant("p", context_parallel_size=2, plugin=True), OptimConfig(), 1, 1)
-            opts = training._torch_optimizers(trainer.optimizer)
+            opts = engine._torch_optimizers(trainer.optimizer)
             before = sum(len(o.state) for o in opts)
             results = [trainer.step(i, b) for i, b in enumerate(batches)]
             params = [p.detach().clone() for p in trainer.model.parameters()]
             trainer.close()
     finally:
-        training.materialize_optimizer_state = original
+        engine.materialize_optimizer_state = original
     return before, [(r.loss, r.grad_norm) for r in results], params
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from megatron_longctx import add_longctx_args, config_from_args
-from megatron_longctx.megatron.args import check_after_parsing
+from megatron_longctx.megatron.arguments import check_after_parsing
 from megatron_longctx.config import (
     CP_ALGORITHMS,
     FEATURES,

@@ -250,7 +250,7 @@ def test_default_args_explicit_flags_win():
 def test_after_parsing_checks_name_the_flag():
     import argparse
 
-    from megatron_longctx.megatron.args import add_longctx_args, check_after_parsing
+    from megatron_longctx.megatron.arguments import add_longctx_args, check_after_parsing
 
     parser = add_longctx_args(argparse.ArgumentParser())
     parser.add_argument("--context-parallel-size", type=int, default=1)
@@ -266,7 +266,7 @@ def test_after_parsing_checks_name_the_flag():
 def test_help_percent_is_escaped():
     import argparse
 
-    from megatron_longctx.megatron.args import escape_help_percents
+    from megatron_longctx.megatron.arguments import escape_help_percents
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--factor", default=2, help="100% of the buffer, default %(default)s")

@@ -198,7 +198,7 @@ def test_options_and_errors():
 
 
 def test_memory_options_pass_through(monkeypatch):
-    import megatron_longctx.memory as memory
+    from megatron_longctx.megatron import memory_spec
 
     calls = []
 
@@ -206,7 +206,7 @@ def test_memory_options_pass_through(monkeypatch):
         calls.append(cfg)
         return spec
 
-    monkeypatch.setattr(memory, "apply_memory_to_layer_spec", fake_apply, raising=False)
+    monkeypatch.setattr(memory_spec, "apply_memory_to_layer_spec", fake_apply)
     out = apply_to_spec(_local()(), tiled_mlp_tiles=4, cp_algorithm="ring")
     assert len(calls) == 1 and calls[0].tiled_mlp_tiles == 4
     assert count_context_parallel_attention(out) == 1

@@ -37,7 +37,7 @@ def test_peak_memory_sees_an_allocation():
 
 
 def _features_lower_resident_bytes():
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     def resident(cfg):
         model = build_gpt(**{**ORACLE, "dropout": 0.0})

@@ -21,7 +21,7 @@ def _cp2_all_features():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_longctx import apply_to_spec
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     with cpu(), megatron_parallel(cp=2):
         batches = cp_batches(parallel_state.get_context_parallel_group())
@@ -44,7 +44,7 @@ def test_all_features_with_context_parallel_2():
 
 
 def _tp2_all_features():
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     with cpu(), megatron_parallel(tp=2):
         ref = loss_and_grads(build_gpt(**ORACLE), steps=2)

@@ -52,7 +52,7 @@ def test_wiring_rejects_what_it_cannot_do():
     import torch
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_longctx.memory import apply_memory_to_layer_spec, install
+    from megatron_longctx.megatron.memory_spec import apply_memory_to_layer_spec, install
     from megatron_longctx.memory.tiled_loss import tiled_logits_loss
     from megatron_longctx.memory.tiled_mlp import tiled_mlp_spec
 

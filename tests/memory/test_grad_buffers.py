@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_longctx.bench.live_memory import LiveTensors
-from megatron_longctx.memory import grad_buffers, lean_norm, tiled_recompute
-from megatron_longctx.memory.lean_norm import lean_rms_norm
+from megatron_longctx.memory import grad_buffers, rmsnorm, tiled_recompute
+from megatron_longctx.memory.rmsnorm import lean_rms_norm
 from tests.memory.test_tiled_recompute import _ToyLayer
 
 
@@ -44,7 +44,7 @@ def _inputs(n=3, shape=(64, 2, 32)):
 
 
 def test_chained_lean_norms_match_float64_in_one_gradient_buffer(monkeypatch):
-    monkeypatch.setattr(lean_norm, "BACKWARD_ROWS", 16)  # several steps per norm: rows read, then written
+    monkeypatch.setattr(rmsnorm, "BACKWARD_ROWS", 16)  # several steps per norm: rows read, then written
     x0, weights, dy = _inputs()
     want = _norm_chain(x0, weights, dy, _torch_norm)
     for got, ref in zip(_norm_chain(x0, weights, dy, _lean_norm), want):
@@ -79,7 +79,7 @@ def test_chained_lean_norms_match_float64_in_one_gradient_buffer(monkeypatch):
 def test_a_gradient_something_else_sees_is_never_overwritten(seen, monkeypatch):
     """A tensor hook that keeps the middle norm output's gradient, or retain_grad on it: that gradient
     stays what it is, and every result matches float64."""
-    monkeypatch.setattr(lean_norm, "BACKWARD_ROWS", 16)
+    monkeypatch.setattr(rmsnorm, "BACKWARD_ROWS", 16)
     x0, weights, dy = _inputs()
     kept_lean, kept_ref = {}, {}
 

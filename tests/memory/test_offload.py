@@ -162,7 +162,7 @@ GPT_CASE_IDS = ["full-checkpoint-disk", "full-block1-checkpoint-disk", "modules-
 
 
 def _policies_match_plain(cfg):
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     with cpu(), megatron_parallel(tp=2):
         ref = loss_and_grads(build_gpt(**ORACLE))
@@ -187,7 +187,7 @@ def _microbatches_in_flight():
     """Forward micro-batches 0, 1, 2 before any backward (a pipeline stage's warm-up), then backward."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
     from tests.gpt_kit import ORACLE_SEQ, batch
 
     def run(model, in_flight=None):

@@ -150,7 +150,8 @@ def test_disk_target_stages_through_the_pool_and_writes_on_the_worker(tmp_path):
 def _wired_gpt_with_recorded_streams():
     """``memory.install`` on a GPTModel with the stream double: 3 steps, the parameters moved into one
     flat buffer after install (as DDP's buffer), against the plain model."""
-    from megatron_longctx.memory import install, streams
+    from megatron_longctx.megatron.memory_spec import install
+    from megatron_longctx.memory import streams
     from tests.gpt_kit import ORACLE, assert_same, build_gpt, cpu, loss_and_grads
     from tests.dist import megatron_parallel
 

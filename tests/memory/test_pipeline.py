@@ -51,7 +51,7 @@ def _run_schedule(cfg):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     model = _stage_model()
     handle = install(model, cfg) if cfg is not None else None

@@ -119,7 +119,7 @@ CASES = [
 
 
 def _recompute_matches_plain(cfg):
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     with cpu(), megatron_parallel(tp=2):
         ref = loss_and_grads(build_gpt(**ORACLE, add_bias_linear=True))
@@ -144,7 +144,7 @@ def test_recompute_matches_plain_model_tp2_with_dropout(cfg):
 
 
 def _megatron_recompute_refused_with_ours_on():
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     with cpu(), megatron_parallel(tp=2):
         model = build_gpt(**ORACLE, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

@@ -14,7 +14,7 @@ import torch
 from megatron_longctx.attention import tiled
 from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention.tiled import TiledKV
-from megatron_longctx.memory import MemoryConfig, grad_stream, tiled_recompute
+from megatron_longctx.memory import MemoryConfig, residual_offload, tiled_recompute
 from megatron_longctx.memory.tiled_recompute import tile_bounds
 from tests.dist import megatron_parallel, run_ranks
 from tests.gpt_kit import ORACLE, ORACLE_SEQ, assert_same, batch, build_gpt, cp_batches, cpu, loss_and_grads
@@ -205,7 +205,7 @@ def test_outputs_over_inputs_with_the_residual_gradient_streamed_match_float64(t
 
     off = ActivationOffloader(MemoryConfig(recompute_granularity="full", offload_policy="checkpoint",
                                            offload_target="disk", offload_min_bytes=0, offload_disk_dir=str(tmp_path)))
-    target = grad_stream.Target(off.disk_dir)
+    target = residual_offload.Target(off.disk_dir)
     h = x0 * 1.5
     first = h.data_ptr()
     with hooks.packing(off):
@@ -273,7 +273,7 @@ def _cp2_tiled_matches_plain():
 def _cp2_cases():
     from megatron.core import parallel_state
 
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     with cpu(), megatron_parallel(cp=2):
         batches = cp_batches(parallel_state.get_context_parallel_group())
@@ -301,7 +301,7 @@ def _everything_on_cp2(batches):
     plugin's gradient buffers are shared; same loss and gradients as the plain model."""
     import gc
 
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     for normalization, lean, stream in (("LayerNorm", False, False), ("RMSNorm", True, False), ("RMSNorm", True, True)):
         fields = dict(NO_DROPOUT, normalization=normalization, context_parallel_size=2)
@@ -309,12 +309,12 @@ def _everything_on_cp2(batches):
         model = build_gpt(**fields, spec=_plugin_spec(cp_algorithm="allgather", tiled_mlp_tiles=2))
         cfg = MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_policy="checkpoint",
                            offload_target="disk", offload_min_bytes=0, tiled_mlp_tiles=2, tiled_loss_tiles=4,
-                           tiled_loss_recompute=True, lean_norm=lean, offload_residual_grad=stream,
+                           tiled_loss_recompute=True, rmsnorm=lean, offload_residual_grad=stream,
                            tiled_output_over_input=stream)
         handle = install(model, cfg)
         handed = []
-        hand_over = grad_stream.hand_over
-        grad_stream.hand_over = lambda consumer, s: handed.append(s.path) or hand_over(consumer, s)
+        hand_over = residual_offload.hand_over
+        residual_offload.hand_over = lambda consumer, s: handed.append(s.path) or hand_over(consumer, s)
         norm = model.decoder.final_layernorm
         rows, own_forward = [], norm.forward
 
@@ -338,7 +338,7 @@ def _everything_on_cp2(batches):
         try:
             got = loss_and_grads(model, batches=batches)
         finally:
-            grad_stream.hand_over = hand_over
+            residual_offload.hand_over = hand_over
         assert_same(ref, got, rtol=1e-5, atol=1e-7)  # Megatron's cross-entropy runs in float32
         # streamed: loss -> last layer -> ... -> first layer, through files in the offload's run directory
         layers = len(model.decoder.layers)
@@ -355,7 +355,7 @@ def test_tiled_recompute_matches_plain_model_cp2():
 
 
 def _tp2_tiled_matches_plain():
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     with cpu(), megatron_parallel(tp=2):
         spec = _plugin_spec()
@@ -372,7 +372,7 @@ def test_tiled_recompute_matches_plain_model_tp2_with_biases():
 
 
 def _refusals():
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     cfg = MemoryConfig(recompute_granularity="full", recompute_tiles=2)
     with cpu(), megatron_parallel(cp=2):
@@ -415,7 +415,7 @@ def test_recompute_tiles_needs_full_recompute():
 def _nvtx_balanced():
     from megatron.core import utils
 
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     opened = []
     push, pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop

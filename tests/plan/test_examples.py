@@ -60,7 +60,7 @@ def test_regenerate_rewrites_only_the_header(tmp_path):
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_flags_parse_with_megatron(name):
     training = pytest.importorskip("megatron.training.arguments", reason="megatron-core < 0.19 ships no megatron.training")
-    from megatron_longctx.megatron.args import add_longctx_args, config_from_args
+    from megatron_longctx.megatron.arguments import add_longctx_args, config_from_args
 
     parser = add_longctx_args(training.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     args = parser.parse_args(recipes.training_args(_text(name)))

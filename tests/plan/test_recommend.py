@@ -67,7 +67,7 @@ def test_fixed_choices_are_respected_or_refused():
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatron_longctx.megatron.args import add_longctx_args
+    from megatron_longctx.megatron.arguments import add_longctx_args
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     try:
@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     ("llama3-8b", 8, 131072, {"fsdp": True, "cp": 8}),
 ])
 def test_emitted_flags_parse(name, gpus, seq, fixed):
-    from megatron_longctx.megatron.args import config_from_args
+    from megatron_longctx.megatron.arguments import config_from_args
 
     plan = recommend(presets.model(name), seq, gpus, H200, Constraints(**fixed))
     parser, with_megatron = _parser()

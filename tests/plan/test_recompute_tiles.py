@@ -201,7 +201,7 @@ def test_flags_leave_sequence_parallelism_off_when_the_plan_does():
 
 
 def _parser() -> tuple[argparse.ArgumentParser, bool]:
-    from megatron_longctx.megatron.args import add_longctx_args
+    from megatron_longctx.megatron.arguments import add_longctx_args
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     try:
@@ -222,7 +222,7 @@ def _parser() -> tuple[argparse.ArgumentParser, bool]:
     (Parallel(cp=8, cp_comm_type="all_gather"), full(16, offload="layers", tiled_loss_tiles=16)),
 ])
 def test_emitted_flags_parse_and_pass_the_plugins_checks(par, opt):
-    from megatron_longctx.megatron.args import check_after_parsing
+    from megatron_longctx.megatron.arguments import check_after_parsing
 
     plan = _llama_plan(par, opt)
     parser, with_megatron = _parser()

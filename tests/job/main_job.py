@@ -21,7 +21,7 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def skip_without_megatron_training() -> None:
-    from megatron_longctx.megatron.pretrain import megatron_training_available
+    from megatron_longctx.job.pretrain import megatron_training_available
 
     reason = megatron_training_available()
     if reason is not None:
@@ -90,7 +90,7 @@ def rank_pid(run_pid: int, rank: int) -> int:
             environ = open(f"/proc/{pid}/environ").read().split("\0")
         except OSError:
             continue
-        if "megatron_longctx.megatron.main_worker" in cmdline and "torch.distributed.run" not in cmdline \
+        if "megatron_longctx.job.worker" in cmdline and "torch.distributed.run" not in cmdline \
                 and f"RANK={rank}" in environ:
             return pid
     raise AssertionError(f"no rank {rank} under process {run_pid}")

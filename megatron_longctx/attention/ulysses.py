@@ -4,7 +4,7 @@ DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509; Megatron/TE ``cp_comm_t
 ``U = cp``: each rank trades its ``s/P`` tokens of all heads for all ``s`` tokens of ``h/P`` heads,
 runs one local attention (a ring of one rank) and trades back.  The hybrid (USP, Fang & Zhao 2024,
 arXiv:2405.07719; LoongTrain, Gu et al. 2024; ``cp_comm_type="a2a+p2p"``, groups of
-:mod:`.hybrid_groups`) is ``1 < U < cp``: after the all-to-all the pooled tokens of ranks ``gU ..
+:mod:`.hybrid`) is ``1 < U < cp``: after the all-to-all the pooled tokens of ranks ``gU ..
 gU+U-1`` are, per document, chunks ``g`` and ``2cp/U-1-g`` of a ``U`` times coarser split
 (:meth:`.layout.SeqLayout.coarsen`, reordered by :func:`.layout.from_ranks`), so the ring of
 :mod:`.ring` runs unchanged on the coarse layout across the groups.  Dense and packed sequences
@@ -13,7 +13,7 @@ take the same path (a dense sequence is one document).
 Memory: q, k, v (and the gradients in backward) each travel in their own all-to-all, as
 DeepSpeed's ``DistributedAttention`` does, so at most one tensor's send buffer, receive buffer and
 reordered copy are alive at a time, not three of each; the head-sharded tensors saved for backward
-are freed before the gradients travel back (:func:`a2a_ring_attention`).  Short shards (up to
+are freed before the gradients travel back (:func:`ulysses_attention`).  Short shards (up to
 :data:`PACK_MAX_TOKENS` local tokens) are latency-bound instead: q, k and v travel in one all-to-all
 (:func:`seq_to_heads_packed`) and so do their gradients, and every all-to-all is a single collective:
 four per forward and backward, where the per-tensor path issues eight, or sixteen with the halves.
@@ -250,7 +250,7 @@ class HeadsAttention(RingAttention):
         return (*grads, None, None, None, dsink)
 
 
-def a2a_ring_attention(
+def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

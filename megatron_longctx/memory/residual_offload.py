@@ -4,7 +4,7 @@ A layer replayed in tiles (:mod:`tiled_recompute`) and the recomputing tiled los
 read their output's gradient and write their input's gradient one tile of rows at a time.  Between two
 such backwards the whole ``[s, b, h]`` gradient would sit on the device, beside the next layer's
 gathered K/V and dK/dV.  With ``--longctx-offload-residual-grad`` it stays on the offload target
-instead (:class:`GradStream`: pinned host memory, or an unlinked file under the disk offload's run
+instead (:class:`ResidualGradOffload`: pinned host memory, or an unlinked file under the disk offload's run
 directory), and only a tile of it is on the device at a time.
 
 With the activation offloader at hand (:class:`Target` ``offloader``) the host buffer is a buffer of its
@@ -38,12 +38,12 @@ from megatron_longctx.memory import grad_buffers
 from megatron_longctx.memory.offload_disk import disk_error
 
 FLAG = "--longctx-offload-residual-grad"
-_STREAMS = "_longctx_grad_streams"  # on a consumer node: {output slot: GradStream}
+_STREAMS = "_longctx_grad_streams"  # on a consumer node: {output slot: ResidualGradOffload}
 _ZERO = "_longctx_streamed_zero"  # on the zero gradient a producer returns in place of the streamed one
 _READS_STREAMS = "_longctx_reads_grad_streams"  # on an autograd Function whose backward reads streams
 
 
-class GradStream:
+class ResidualGradOffload:
     """A ``[s, ...]`` gradient on the offload target, read and written a row range at a time.
 
     ``disk_dir``: an unlinked file there (its space is freed when the stream is); else host memory: with
@@ -193,8 +193,8 @@ class Target:
         self.disk_dir = disk_dir  # None: pinned host memory
         self.offloader = offloader
 
-    def new(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> GradStream:
-        return GradStream(shape, dtype, device, self.disk_dir, self.offloader)
+    def new(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> ResidualGradOffload:
+        return ResidualGradOffload(shape, dtype, device, self.disk_dir, self.offloader)
 
 
 def reads_streams(function: type) -> type:
@@ -215,7 +215,7 @@ def consumer_of(x: torch.Tensor, watch: grad_buffers.Watch) -> Optional[tuple]:
     return node, x.output_nr
 
 
-def hand_over(consumer: tuple, stream: GradStream) -> torch.Tensor:
+def hand_over(consumer: tuple, stream: ResidualGradOffload) -> torch.Tensor:
     """Give ``stream`` (the gradient of the consumer's output slot) to the consumer node; returns the
     zero gradient autograd passes instead."""
     node, slot = consumer
@@ -229,7 +229,7 @@ def hand_over(consumer: tuple, stream: GradStream) -> torch.Tensor:
     return zero
 
 
-def take(ctx: Any, slot: int, grad: Optional[torch.Tensor]) -> tuple[Optional[GradStream], Optional[torch.Tensor]]:
+def take(ctx: Any, slot: int, grad: Optional[torch.Tensor]) -> tuple[Optional[ResidualGradOffload], Optional[torch.Tensor]]:
     """In a consumer's backward: output slot ``slot``'s stream (or ``None``) and what autograd passed that
     must be added to it (``None`` when that is the zero the producer returned)."""
     streams = getattr(ctx, _STREAMS, None)

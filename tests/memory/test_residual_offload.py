@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron_longctx.memory import MemoryConfig, grad_stream, tiled_recompute
+from megatron_longctx.memory import MemoryConfig, residual_offload, tiled_recompute
 from tests.memory.test_tiled_recompute import _ToyLayer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,13 +23,13 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.handed = 0
-        original = grad_stream.hand_over
+        original = residual_offload.hand_over
 
         def hand_over(consumer, stream):
             self.handed += 1
             return original(consumer, stream)
 
-        monkeypatch.setattr(grad_stream, "hand_over", hand_over)
+        monkeypatch.setattr(residual_offload, "hand_over", hand_over)
 
 
 def _model(target, extra_use=False, hook=False, tiles=5):
@@ -69,7 +69,7 @@ def _model(target, extra_use=False, hook=False, tiles=5):
 @pytest.mark.parametrize("where", ["host", "disk"])
 @pytest.mark.parametrize("extra_use", [False, True])
 def test_streamed_gradient_matches_float64(where, extra_use, tmp_path, monkeypatch):
-    target = grad_stream.Target(str(tmp_path) if where == "disk" else None)
+    target = residual_offload.Target(str(tmp_path) if where == "disk" else None)
     spy = _Spy(monkeypatch)
     run_ref, grads_ref, _ = _model(target, extra_use, tiles=0)
     ref = grads_ref(run_ref())
@@ -84,9 +84,9 @@ def test_streamed_gradient_matches_float64(where, extra_use, tmp_path, monkeypat
 
 def test_a_hooked_residual_tensor_is_not_streamed(monkeypatch):
     spy = _Spy(monkeypatch)
-    run_ref, grads_ref, seen_ref = _model(grad_stream.Target(), hook=True, tiles=0)
+    run_ref, grads_ref, seen_ref = _model(residual_offload.Target(), hook=True, tiles=0)
     ref = grads_ref(run_ref())
-    run, grads, seen = _model(grad_stream.Target(), hook=True)
+    run, grads, seen = _model(residual_offload.Target(), hook=True)
     got = grads(run())
     assert spy.handed == 1  # layer 3 -> 2 streams; the hooked output of layer 2 gets a real gradient
     torch.testing.assert_close(seen[0], seen_ref[0], rtol=1e-10, atol=1e-12)
@@ -97,9 +97,9 @@ def test_a_hooked_residual_tensor_is_not_streamed(monkeypatch):
 
 def test_a_second_backward_streams_again(monkeypatch):
     spy = _Spy(monkeypatch)
-    run_ref, grads_ref, _ = _model(grad_stream.Target(), tiles=0)
+    run_ref, grads_ref, _ = _model(residual_offload.Target(), tiles=0)
     ref = grads_ref(run_ref())
-    run, grads, _ = _model(grad_stream.Target())
+    run, grads, _ = _model(residual_offload.Target())
     loss = run()
     first = grads(loss, retain_graph=True)
     second = grads(loss)
@@ -124,13 +124,13 @@ def test_a_file_size_limit_names_the_flag_in_a_child(tmp_path):
     code = textwrap.dedent(f"""
         import resource, signal, sys, torch
         sys.path.insert(0, {ROOT!r})
-        from megatron_longctx.memory.grad_stream import GradStream
+        from megatron_longctx.memory.residual_offload import ResidualGradOffload
         from megatron_longctx.memory.offload_disk import DiskOffloadError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the call then fails with EFBIG
         rows = torch.Size([1024, 16])  # 128 KiB of float64
-        early = GradStream(rows, torch.float64, torch.device("cpu"), {str(tmp_path)!r})
+        early = ResidualGradOffload(rows, torch.float64, torch.device("cpu"), {str(tmp_path)!r})
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
-        for what, step in (("made", lambda: GradStream(rows, torch.float64, torch.device("cpu"), {str(tmp_path)!r})),
+        for what, step in (("made", lambda: ResidualGradOffload(rows, torch.float64, torch.device("cpu"), {str(tmp_path)!r})),
                            ("written", lambda: early.write(1000, 1024, torch.ones(24, 16, dtype=torch.float64)))):
             try:
                 step()
@@ -168,7 +168,7 @@ def test_the_recomputing_tiled_loss_writes_its_hidden_gradient_to_a_stream(where
 
     args = tiled_loss.TiledLossArgs(tp_group=None, num_tiles=3, reduce_grad_input=False, recompute=True)
     _, lse, _, _ = tiled_loss.tiled_loss_forward(args, hidden.detach(), weight, target)
-    stream = grad_stream.GradStream(hidden.shape, hidden.dtype, hidden.device, str(tmp_path) if where == "disk" else None)
+    stream = residual_offload.ResidualGradOffload(hidden.shape, hidden.dtype, hidden.device, str(tmp_path) if where == "disk" else None)
     got, _ = tiled_loss.tiled_loss_backward_recompute(args, hidden.detach(), weight, target, lse, grad_loss, (), stream)
     assert got is stream
     torch.testing.assert_close(stream.read(0, s), want, rtol=1e-12, atol=1e-12)
@@ -191,7 +191,7 @@ def test_stream_rows_travel_on_the_side_stream_one_tile_ahead():
     ops = RecordingOps()
     off = _offloader(ops)
     x = torch.randn(16, 2, 4, dtype=torch.float64)
-    stream = grad_stream.Target(offloader=off).new(x.shape, x.dtype, x.device)
+    stream = residual_offload.Target(offloader=off).new(x.shape, x.dtype, x.device)
     assert off.pool.used == x.numel() * 8  # the [s, b, h] buffer is the pool's
     start = len(ops.log)
     for lo, hi in TILES:
@@ -233,7 +233,7 @@ def test_streams_through_the_offloader_are_exact_and_the_pool_bound_holds(pool, 
     spy = _Spy(monkeypatch)
     run_ref, grads_ref, _ = _model(None, tiles=0)
     ref = grads_ref(run_ref())
-    run, grads, _ = _model(grad_stream.Target(offloader=off))
+    run, grads, _ = _model(residual_offload.Target(offloader=off))
     got = grads(run())
     assert spy.handed == 2
     for g, r in zip(got, ref):
@@ -254,7 +254,7 @@ def test_disk_stream_rows_are_staged_on_the_side_stream_and_the_io_worker(tmp_pa
                                            offload_target="disk", offload_disk_dir=str(tmp_path),
                                            offload_residual_grad=True), ops=ops)
     x = torch.randn(16, 2, 4, dtype=torch.float64)
-    stream = grad_stream.Target(off.disk_dir, offloader=off).new(x.shape, x.dtype, x.device)
+    stream = residual_offload.Target(off.disk_dir, offloader=off).new(x.shape, x.dtype, x.device)
     for lo, hi in TILES:
         stream.write(lo, hi, x[lo:hi].clone())
     copies = [e for e in ops.log if e[0] == "copy"]

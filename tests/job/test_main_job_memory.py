@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.megatron import main_job
+from tests.job import main_job
 
 MODEL = ["--num-layers", "2", "--normalization", "RMSNorm", "--swiglu", "--train-iters", "2", "--no-resume-check",
          "--longctx-offload-min-bytes", "0"]  # the tiny model's activations are all under the default minimum

@@ -1,8 +1,8 @@
 """One rank of the main job: Megatron-LM's ``pretrain`` with the plugin's providers.
 
-Started by :mod:`megatron_longctx.megatron.pretrain` under ``torchrun``::
+Started by :mod:`megatron_longctx.job.pretrain` under ``torchrun``::
 
-    python -m torch.distributed.run ... -m megatron_longctx.megatron.main_worker <Megatron and --longctx-* flags>
+    python -m torch.distributed.run ... -m megatron_longctx.job.worker <Megatron and --longctx-* flags>
 
 The run-level settings that are not Megatron flags (which phase this is, where the per-step metrics
 go, whether to draw a progress bar, where to leave a failure marker) come in the JSON environment
@@ -14,7 +14,7 @@ run, and nothing else is changed:
   of the step) go to ``metrics.jsonl`` and the progress bar;
 * ``update_pg_timeout``: the after-init timeout reaches every process group (the plugin's too);
 * ``save_checkpoint``: once Megatron has written an iteration folder and its tracker file, the
-  integrity manifest of that folder is written (:mod:`megatron_longctx.megatron.checkpoint_guard`);
+  integrity manifest of that folder is written (:mod:`megatron_longctx.job.checkpoint_guard`);
 * ``compile_helpers`` skipped when the wheel's compiled ``helpers_cpp`` imports, and ``_print_args``
   shortened to one line.
 """
@@ -183,7 +183,7 @@ def _offload_stats(model: Any) -> dict[str, int]:
 
 
 def _wrap_save_checkpoint(original: Callable, watchdog: StallWatchdog) -> Callable:
-    from megatron_longctx.megatron import checkpoint_guard
+    from megatron_longctx.job import checkpoint_guard
 
     @functools.wraps(original)
     def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
@@ -274,8 +274,8 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_longctx import cpu_compat
-    from megatron_longctx.megatron import providers
-    from megatron_longctx.megatron.args import add_longctx_args
+    from megatron_longctx.job import providers
+    from megatron_longctx.megatron.arguments import add_longctx_args
 
     sys.argv = [sys.argv[0], *argv]
     log = StepLog(settings)

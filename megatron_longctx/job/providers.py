@@ -5,7 +5,7 @@
   :func:`~megatron_longctx.megatron.spec.transform_spec` (the ``--longctx-*`` flags); the baseline
   comparison run (``LONGCTX_BASELINE=1``) builds the same model with Megatron's own attention.
 * :func:`train_valid_test_datasets_provider`: Megatron's ``GPTDataset`` over the standard-library
-  corpus at ``--data-path`` (see :mod:`megatron_longctx.megatron.data`), byte-level tokens.
+  corpus at ``--data-path`` (see :mod:`megatron_longctx.job.data`), byte-level tokens.
 * :func:`forward_step` / :func:`loss_func`: ``pretrain_gpt.py``'s convention (per-token loss sum and
   token count, Megatron reduces), with the batch cut by CP rank through Megatron's zigzag and kept on
   the CPU when the process has no GPU.
@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_longctx.megatron import data as data_mod
+from megatron_longctx.job import data as data_mod
 
 BASELINE_ENV = "LONGCTX_BASELINE"
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -34,15 +34,16 @@ def is_baseline() -> bool:
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                    config: Any = None, pg_collection: Any = None) -> Any:
     """``GPTModel`` with the local spec, built as the launcher builds it
-    (:func:`~megatron_longctx.megatron.memory_spec.build_model`: the plugin's attention and memory features,
+    (:func:`~megatron_longctx.megatron.spec.build_model`: the plugin's attention and memory features,
     Megatron's recompute off where the plugin runs it); the baseline run builds it with Megatron's own."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_longctx.megatron.args import config_from_args
-    from megatron_longctx.megatron.memory_spec import build_model, megatron_config_without_plugin_recompute
+    from megatron_longctx.megatron.arguments import config_from_args
+    from megatron_longctx.megatron.memory_spec import megatron_config_without_plugin_recompute
+    from megatron_longctx.megatron.spec import build_model
 
     args = get_args()
     if config is None:

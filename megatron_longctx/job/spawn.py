@@ -30,7 +30,7 @@ from megatron_longctx.procs import torchrun
 FAILURE_GRACE_S = 3.0
 TERM_GRACE_S = 5.0
 KILL_GRACE_S = 0.5  # SIGTERM to SIGKILL once a rank reported a failure
-WORKER_MODULE = "megatron_longctx.megatron.main_worker"
+WORKER_MODULE = "megatron_longctx.job.worker"
 
 
 class Interrupted(RuntimeError):

@@ -4,7 +4,7 @@ The benchmark measures inside one process, so it drives Megatron-Core directly: 
 the groups, ``GPTModel`` from a layer spec (Megatron's local spec, or the same spec through
 :func:`megatron_longctx.apply_to_spec`), ``DistributedDataParallel`` (grad reduction over the ``dp_cp``
 group), ``get_forward_backward_func()`` (micro-batches) and ``get_megatron_optimizer``, without
-checkpoints (the main job, :mod:`megatron_longctx.megatron.pretrain`, runs Megatron-LM's own training
+checkpoints (the main job, :mod:`megatron_longctx.job.pretrain`, runs Megatron-LM's own training
 loop and its checkpoints).  On a CPU-only process everything runs under
 :func:`megatron_longctx.cpu_compat.enabled`.
 
@@ -311,7 +311,7 @@ class Trainer:
         cfg = LongContextConfig.from_flat(self.variant.options())
         if not cfg.memory.any_enabled:
             return None
-        from megatron_longctx.memory import install
+        from megatron_longctx.megatron.memory_spec import install
 
         return install(self.model, cfg.memory)
 

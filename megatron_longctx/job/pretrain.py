@@ -3,7 +3,7 @@
 ``megatron-longctx run`` (``make run``) with no arguments trains a small GPT (2 layers, hidden 64) on
 8K-token sequences of Python's own standard-library sources, byte-level tokens, with
 ContextParallelAttention at CP=2 on 2 ranks (gloo on CPU, NCCL and the GPU kernels on GPUs), through
-``megatron.training.pretrain`` with this package's providers (:mod:`megatron_longctx.megatron.providers`):
+``megatron.training.pretrain`` with this package's providers (:mod:`megatron_longctx.job.providers`):
 checkpoints (``--save/--load/--save-interval``, iteration folders and the tracker file), logging, NaN
 checks and timeouts are Megatron's.  Three phases, each one ``torchrun``:
 
@@ -18,7 +18,7 @@ Every flag not listed under ``--help`` is Megatron-LM's (``--num-layers``, ``--l
 ``--distributed-timeout-minutes`` ...) or the plugin's (``--longctx-*``) and goes to Megatron's parser
 after the main job's defaults, so it overrides them.  Checkpoints are never deleted or overwritten unless
 ``--overwrite-checkpoint`` is given, and every checkpoint is checked against its manifest before a load
-(:mod:`megatron_longctx.megatron.checkpoint_guard`).
+(:mod:`megatron_longctx.job.checkpoint_guard`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import sys
 import time
 from typing import Any, Optional
 
-from megatron_longctx.megatron import checkpoint_guard as guard
-from megatron_longctx.megatron import job_args
-from megatron_longctx.megatron.job_launch import Interrupted, run_phase
-from megatron_longctx.megatron.job_report import compare_losses, render_summary, run_summary
+from megatron_longctx.job import checkpoint_guard as guard
+from megatron_longctx.job import command_line
+from megatron_longctx.job.spawn import Interrupted, run_phase
+from megatron_longctx.job.report import compare_losses, render_summary, run_summary
 
 EXIT_BAD_ARGS = 2
 
@@ -78,7 +78,7 @@ def megatron_training_available() -> Optional[str]:
     return None
 
 
-def _prepare_checkpoints(job: job_args.Job, own: argparse.Namespace) -> list[str]:
+def _prepare_checkpoints(job: command_line.Job, own: argparse.Namespace) -> list[str]:
     """Refuse to clobber an existing checkpoint; verify the one to load.  Returns notes for the user."""
     notes: list[str] = []
     if job.load is not None:
@@ -104,7 +104,7 @@ def _read_rows(path: str, name: str) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, open(path)) if r["run"] == name]
 
 
-def _phase(job: job_args.Job, own: argparse.Namespace, name: str, argv: list[str], total: int,
+def _phase(job: command_line.Job, own: argparse.Namespace, name: str, argv: list[str], total: int,
            baseline: bool = False) -> list[dict[str, Any]]:
     metrics = os.path.join(own.output_dir, "metrics.jsonl")
     settings = {"name": name, "metrics": os.path.abspath(metrics), "progress": not own.no_progress,
@@ -124,7 +124,7 @@ class PhaseFailed(RuntimeError):
         self.rc = rc
 
 
-def _resume_check(job: job_args.Job, own: argparse.Namespace, plugin_rows: list[dict[str, Any]]) -> Optional[dict]:
+def _resume_check(job: command_line.Job, own: argparse.Namespace, plugin_rows: list[dict[str, Any]]) -> Optional[dict]:
     """Reload the mid-run checkpoint in a fresh job and compare the next steps bit for bit."""
     step = job.resume_point(own.resume_check_steps)
     if step is None:
@@ -146,16 +146,16 @@ def _resume_check(job: job_args.Job, own: argparse.Namespace, plugin_rows: list[
 
 
 def run_job(own: argparse.Namespace, megatron_argv: list[str]) -> int:
-    job = job_args.Job.from_argv(megatron_argv, own)
+    job = command_line.Job.from_argv(megatron_argv, own)
     os.makedirs(own.output_dir, exist_ok=True)
     for note in _prepare_checkpoints(job, own):
         print(f"megatron-longctx run: {note}", flush=True)
     metrics = os.path.join(own.output_dir, "metrics.jsonl")
     if os.path.exists(metrics) and job.load is None:
         os.remove(metrics)  # a fresh run's metrics (a resumed run appends)
-    job.data_path = job_args.ensure_corpus(own)
+    job.data_path = command_line.ensure_corpus(own)
     summary: dict[str, Any] = {"world_size": own.nproc_per_node, "shape": job.shape(), "train_steps": job.train_iters,
-                               "global_batch_size": job.global_batch_size, "device": job_args.device_name(),
+                               "global_batch_size": job.global_batch_size, "device": command_line.device_name(),
                                "checkpoint": job.save}
     name = f"plugin-cp{job.context_parallel_size}"
     rows = _phase(job, own, name, job.plugin_argv(), job.train_iters)

@@ -16,7 +16,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from megatron_longctx.megatron.args import check_window
+from megatron_longctx.megatron.arguments import check_window
 
 CPU_TIMEOUT_MINUTES = 2  # rendezvous, dataset index build and the first step
 CPU_TIMEOUT_AFTER_INIT_S = 60  # any later collective: a stuck rank fails the job within this
@@ -191,7 +191,7 @@ class Job:
 
     def resume_point(self, steps: int) -> Optional[int]:
         """The newest iteration this run saved that leaves ``steps`` steps to compare (``None``: none)."""
-        from megatron_longctx.megatron.checkpoint_guard import saved_iterations
+        from megatron_longctx.job.checkpoint_guard import saved_iterations
 
         first = self.load_step or 0
         points = [i for i in saved_iterations(self.save) if first < i <= self.train_iters - steps]
@@ -223,7 +223,7 @@ def _data_dir(own: argparse.Namespace) -> str:
 
 def ensure_corpus(own: argparse.Namespace) -> str:
     """Build (once) the standard-library corpus; returns its ``--data-path`` prefix."""
-    from megatron_longctx.megatron import data as data_mod
+    from megatron_longctx.job import data as data_mod
 
     return data_mod.ensure_stdlib_dataset(_data_dir(own), own.data_max_bytes, data_mod.ByteTokenizer())
 

@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from megatron_longctx.megatron import data as data_mod
-from megatron_longctx.megatron import providers
+from megatron_longctx.job import data as data_mod
+from megatron_longctx.job import providers
 
 
 @pytest.mark.parametrize("divisor,tp", [(64, 1), (64, 2), (128, 4)])

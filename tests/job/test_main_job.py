@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_longctx.megatron import checkpoint_guard as guard
-from megatron_longctx.megatron import data as data_mod
-from megatron_longctx.megatron import pretrain
-from tests.megatron import main_job
+from megatron_longctx.job import checkpoint_guard as guard
+from megatron_longctx.job import data as data_mod
+from megatron_longctx.job import pretrain
+from tests.job import main_job
 
 
 @pytest.fixture(scope="module")

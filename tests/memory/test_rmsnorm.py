@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_longctx.memory import MemoryConfig
-from megatron_longctx.memory import lean_norm
-from megatron_longctx.memory.lean_norm import install_lean_norms, lean_rms_norm
+from megatron_longctx.memory import rmsnorm as rmsnorm
+from megatron_longctx.memory.rmsnorm import install_lean_norms, lean_rms_norm
 from tests.dist import megatron_parallel, run_ranks
 from tests.gpt_kit import ORACLE, assert_same, build_gpt, cpu, loss_and_grads
 
@@ -41,7 +41,7 @@ ATOL = {torch.float64: (3e-15, 1e-15, 3e-15), torch.float32: (7e-7, 3e-7, 2.4e-6
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16],
                          ids=["float64", "float32", "bfloat16"])
 def test_matches_torch_rms_norm_in_float64(dtype, rows, monkeypatch):
-    monkeypatch.setattr(lean_norm, "BACKWARD_ROWS", rows)  # 15 rows: 4 + 4 + 4 + 3
+    monkeypatch.setattr(rmsnorm, "BACKWARD_ROWS", rows)  # 15 rows: 4 + 4 + 4 + 3
     x, weight, dy = _inputs(dtype)
     want = _run(lambda x_, w_: torch.nn.functional.rms_norm(x_, (x.shape[-1],), w_, 1e-5),
                 x.double(), weight.double(), dy.double())
@@ -93,7 +93,7 @@ def _backward_peak_bytes(x, weight, dy) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_backward_makes_dx_and_two_float32_buffers_of_one_step(dtype, monkeypatch):
-    monkeypatch.setattr(lean_norm, "BACKWARD_ROWS", 64)
+    monkeypatch.setattr(rmsnorm, "BACKWARD_ROWS", 64)
     x, weight, dy = _inputs(dtype, (256, 2, 64))  # 512 rows: 8 steps
     peak = _backward_peak_bytes(x, weight, dy)
     dx = x.numel() * x.element_size()  # [s, b, h] in x's dtype
@@ -105,12 +105,12 @@ def test_backward_makes_dx_and_two_float32_buffers_of_one_step(dtype, monkeypatc
 
 
 def _gpt_body():
-    from megatron_longctx.memory import install
+    from megatron_longctx.megatron.memory_spec import install
 
     with cpu(), megatron_parallel(tp=2):
         fields = dict(ORACLE, normalization="RMSNorm")
         ref = loss_and_grads(build_gpt(**fields))
-        for cfg in (MemoryConfig(lean_norm=True), MemoryConfig(lean_norm=True, recompute_granularity="full")):
+        for cfg in (MemoryConfig(rmsnorm=True), MemoryConfig(rmsnorm=True, recompute_granularity="full")):
             model = build_gpt(**fields)
             norms = [m for m in model.modules() if type(m) is torch.nn.RMSNorm]
             assert len(norms) == 2 * 2 + 1  # two per layer and the final norm

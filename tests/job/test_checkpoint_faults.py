@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from megatron_longctx.megatron import checkpoint_guard as guard
-from tests.megatron import main_job
+from megatron_longctx.job import checkpoint_guard as guard
+from tests.job import main_job
 
 
 @pytest.fixture(scope="module")

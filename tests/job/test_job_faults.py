@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.megatron import main_job
+from tests.job import main_job
 
 
 def test_stalled_rank_fails_the_job_within_the_timeout(tmp_path):
