@@ -28,7 +28,7 @@ def single_rank_megatron(device: torch.device):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
 
     created = False
     if not dist.is_initialized():

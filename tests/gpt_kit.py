@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_longctx import cpu_compat
+from megatron_longctx.megatron import cpu_compat
 
 VOCAB, BATCH = 64, 2
 SEQ = 16  # the integration tests' sequence

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_longctx import cpu_compat
+from megatron_longctx.megatron import cpu_compat
 from tests.dist import megatron_parallel, run_ranks
 
 

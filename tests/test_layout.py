@@ -1,5 +1,6 @@
-"""Import graphs read from the source with ast: the package has no import loop, even through imports inside
-functions, and attention/args.py is a leaf."""
+"""The package's layout, read from the source with ast: imports point down the layers (attention and kernels
+never import Megatron; memory never imports the Megatron integration; the main job and the benchmark sit on
+top), there is no import loop, even through imports inside functions, and attention/args.py is a leaf."""
 
 from __future__ import annotations
 
@@ -53,6 +54,72 @@ def import_graph(folder: pathlib.Path, deferred: bool = True) -> dict[str, set[s
                 targets |= {a.name for a in node.names}
         graph[name] = {t for t in targets if t in modules and t != name}
     return {name: {t for t in targets if t in graph} for name, targets in graph.items()}
+
+
+# What each part of the package may import (imports inside functions included). Nothing below job/,
+# bench/ and bridge/ imports them; the CLI reaches them by module name.
+ALLOWED = {
+    "kernels": set(),
+    "attention": {"kernels"},
+    "config": set(),
+    "procs": set(),
+    "patching": set(),
+    "data": set(),
+    "memory": {"config", "kernels", "procs", "patching"},
+    "plan": {"config"},
+    "megatron": {"attention", "config", "kernels", "memory", "procs", "patching"},
+    "launch": {"megatron"},
+    "bridge": {"config", "megatron"},
+    "job": {"config", "data", "megatron", "memory", "procs"},
+    "bench": {"__init__", "attention", "config", "data", "kernels", "megatron", "memory", "plan", "procs"},
+    "cli": set(),
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+NO_MEGATRON = ("kernels", "attention", "config", "procs", "patching", "plan")  # never import Megatron itself
+
+
+def part(module: str) -> str:
+    """``megatron_longctx.memory.offload`` -> ``memory``; the package's own ``__init__`` -> ``__init__``."""
+    return (module.split(".") + ["__init__"])[1]
+
+
+def upward_imports(graph: dict[str, set[str]], allowed: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for each import from one part into another that ``allowed`` does not list."""
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                  if part(target) != part(name) and part(target) not in allowed.get(part(name), set()))
+
+
+def megatron_imports(folder_or_file: pathlib.Path) -> list[str]:
+    """``"file: module"`` for each import of Megatron (``megatron.*``, anywhere in the file)."""
+    files = [folder_or_file] if folder_or_file.is_file() else sorted(folder_or_file.rglob("*.py"))
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.relative_to(PACKAGE)}: {n}" for n in names if n == "megatron" or n.startswith("megatron.")]
+    return found
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph(PACKAGE)
+    assert {part(name) for name in graph} <= set(ALLOWED), sorted({part(n) for n in graph} - set(ALLOWED))
+    assert upward_imports(graph, ALLOWED) == []
+
+
+def test_the_lower_layers_never_import_megatron():
+    for name in NO_MEGATRON:
+        path = PACKAGE / name if (PACKAGE / name).is_dir() else PACKAGE / f"{name}.py"
+        assert path.exists(), path
+        assert megatron_imports(path) == []
+
+
+def test_the_layer_checks_see_a_violation():
+    graph = {"megatron_longctx.memory.offload": {"megatron_longctx.megatron.spec", "megatron_longctx.config"},
+             "megatron_longctx.megatron.spec": set(), "megatron_longctx.config": set()}
+    assert upward_imports(graph, ALLOWED) == ["megatron_longctx.memory.offload -> megatron_longctx.megatron.spec"]
+    assert megatron_imports(PACKAGE / "megatron" / "spec.py")  # the integration does import Megatron
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -120,7 +187,7 @@ def test_config_is_below_every_feature():
 
 def test_package_has_no_loop_even_through_imports_inside_functions():
     graph = import_graph(PACKAGE)
-    assert {"megatron_longctx.cpu_compat", "megatron_longctx.megatron.launch"} <= set(graph)
+    assert {"megatron_longctx.megatron.cpu_compat", "megatron_longctx.megatron.launch"} <= set(graph)
     assert loops(graph) == [], [sorted(c) for c in loops(graph)]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 

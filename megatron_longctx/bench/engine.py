@@ -6,7 +6,7 @@ the groups, ``GPTModel`` from a layer spec (Megatron's local spec, or the same s
 group), ``get_forward_backward_func()`` (micro-batches) and ``get_megatron_optimizer``, without
 checkpoints (the main job, :mod:`megatron_longctx.job.pretrain`, runs Megatron-LM's own training
 loop and its checkpoints).  On a CPU-only process everything runs under
-:func:`megatron_longctx.cpu_compat.enabled`.
+:func:`megatron_longctx.megatron.cpu_compat.enabled`.
 
 There is no substitute path: should Megatron's DDP grad sync or optimizer fail (say a Megatron version
 that allocates on ``"cuda"`` somewhere cpu_compat does not know), the step raises that error, so a run

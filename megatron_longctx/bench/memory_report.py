@@ -108,7 +108,7 @@ def _build(megatron_overrides: dict, args: argparse.Namespace) -> Any:
 
 def run_one(name: str, seq: int, args: argparse.Namespace) -> dict:
     """One configuration at one sequence length, in this process; returns the measurements."""
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.megatron.memory_spec import install
     from megatron_longctx.memory import MemoryConfig
     from megatron_longctx.memory.accounting import PeakMemory, SavedTensorAccountant

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_longctx import cpu_compat
+from megatron_longctx.megatron import cpu_compat
 from megatron_longctx.bench.configs import default_configs, tiles_for
-from megatron_longctx.job import data as data_mod
+from megatron_longctx import data as data_mod
 from megatron_longctx.bench.engine import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
                                                 over_budget_exit, preimport_megatron, run_steps)
 from megatron_longctx.memory.accounting import rss_bytes

@@ -293,7 +293,7 @@ def time_check(args: argparse.Namespace, base_task: dict[str, Any], plugin: str,
 
 def model_shape(args: argparse.Namespace) -> dict[str, Any]:
     """The preset's shape with the command line's overrides (``--hidden-size`` ...)."""
-    from megatron_longctx.job.data import ByteTokenizer, padded_vocab_size
+    from megatron_longctx.data import ByteTokenizer, padded_vocab_size
 
     shape = {k: v for k, v in PRESETS[args.preset].items() if k != "budget_mib"}
     for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",

@@ -14,7 +14,7 @@ disk``), tiled MLP and tiled loss; and Megatron's best baseline on this machine 
 
 * ``megatron-windowed`` / ``megatron-causal``: Megatron's own (local, unfused) attention with the same full
   recompute, on 1 rank at CP=1 (Megatron refuses CP without Transformer Engine), the same script under
-  ``python -m megatron_longctx.cpu_compat`` (no plugin).
+  ``python -m megatron_longctx.megatron.cpu_compat`` (no plugin).
 
 A series stops at the first length whose step the cost model of its measured steps (``t = c0 + c1·s``
 under a window, ``+ c2·s²`` otherwise; coefficients >= 0, least squares in relative error; with fewer

@@ -5,7 +5,7 @@ Bridge's recipe function builds the ``ConfigContainer``; an optional ``--config-
 Hydra syntax, as Bridge's ``run_recipe.py``); then :func:`megatron_longctx.bridge.configure` adds the
 plugin with the ``--longctx-*`` flags given (the same flags as the Megatron-LM launcher), and Bridge's
 ``pretrain()`` trains with its GPT ``forward_step``.  ``--dry-run`` prints the configured model config
-and stops.  On a machine without a GPU :mod:`megatron_longctx.cpu_compat` is on for the run.
+and stops.  On a machine without a GPU :mod:`megatron_longctx.megatron.cpu_compat` is on for the run.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
 
     with cpu_compat.enabled():
         pretrain(cfg, forward_step)

@@ -223,7 +223,7 @@ def _data_dir(own: argparse.Namespace) -> str:
 
 def ensure_corpus(own: argparse.Namespace) -> str:
     """Build (once) the standard-library corpus; returns its ``--data-path`` prefix."""
-    from megatron_longctx.job import data as data_mod
+    from megatron_longctx import data as data_mod
 
     return data_mod.ensure_stdlib_dataset(_data_dir(own), own.data_max_bytes, data_mod.ByteTokenizer())
 

@@ -5,7 +5,7 @@
   :func:`~megatron_longctx.megatron.spec.transform_spec` (the ``--longctx-*`` flags); the baseline
   comparison run (``LONGCTX_BASELINE=1``) builds the same model with Megatron's own attention.
 * :func:`train_valid_test_datasets_provider`: Megatron's ``GPTDataset`` over the standard-library
-  corpus at ``--data-path`` (see :mod:`megatron_longctx.job.data`), byte-level tokens.
+  corpus at ``--data-path`` (see :mod:`megatron_longctx.data`), byte-level tokens.
 * :func:`forward_step` / :func:`loss_func`: ``pretrain_gpt.py``'s convention (per-token loss sum and
   token count, Megatron reduces), with the batch cut by CP rank through Megatron's zigzag and kept on
   the CPU when the process has no GPU.
@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_longctx.job import data as data_mod
+from megatron_longctx import data as data_mod
 
 BASELINE_ENV = "LONGCTX_BASELINE"
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")

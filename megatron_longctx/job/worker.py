@@ -273,7 +273,7 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.job import providers
     from megatron_longctx.megatron.arguments import add_longctx_args
 

@@ -231,14 +231,14 @@ def warn_if_mixed_trees() -> None:
 def default_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """``(argv + the defaults the launcher sets, those defaults as text)``; flags given in ``argv`` win.
 
-    * without CUDA, :func:`megatron_longctx.cpu_compat.cpu_default_args` (gloo, CUDA-only fusions off, ...);
+    * without CUDA, :func:`megatron_longctx.megatron.cpu_compat.cpu_default_args` (gloo, CUDA-only fusions off, ...);
     * ``--eval-interval 1000`` when this Megatron has no default for it (0.19: else ``train_iters // None``);
     * ``--no-create-attention-mask-in-dataloader``: a dense ``[s, s]`` mask per sample that our attention's
       causal layers do not read, at any CP size (64 GiB of float32 at 128K tokens, 4 TiB at 1M);
     * with ``--context-parallel-size`` > 1 (our attention serves CP): ``--attention-dropout 0`` (Megatron's
       default 0.1 is not supported under CP; an explicit value is checked after parsing).
     """
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.megatron.arguments import megatron_parser, with_defaults
 
     try:
@@ -261,7 +261,7 @@ USAGE = "usage: python -m megatron_longctx.launch <script.py> [Megatron-LM args]
 def _print_help() -> None:
     print(USAGE)
     print("\nRuns a Megatron-LM training script unmodified with megatron-longctx installed. Without CUDA it "
-          "enters megatron_longctx.cpu_compat and sets the CPU defaults (gloo, CUDA-only fusions off); "
+          "enters megatron_longctx.megatron.cpu_compat and sets the CPU defaults (gloo, CUDA-only fusions off); "
           "flags given explicitly win. Megatron-LM's arguments, with the megatron-longctx group:\n")
     import argparse
 
@@ -298,7 +298,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         script_args, added = default_args(script_args)
         if added and os.environ.get("RANK", "0") == "0":
             print(f"megatron_longctx.launch: defaults set (explicit flags win): {', '.join(added)}", flush=True)
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
 
     cpu_compat.enable()  # a no-op with CUDA; undone when the process ends
     sys.argv = [script, *script_args]

@@ -30,7 +30,7 @@ REF_016 = "core_v0.16.1"
 SCRIPT_FILES = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
 SCRIPTS_ENV = "MEGATRON_LM_DIR"
 LAUNCHER = ("-m", "megatron_longctx.launch")
-BASELINE_LAUNCHER = ("-m", "megatron_longctx.cpu_compat")  # the same script without the plugin
+BASELINE_LAUNCHER = ("-m", "megatron_longctx.megatron.cpu_compat")  # the same script without the plugin
 # Megatron's training log line: " iteration        2/       2 | ... | elapsed time per iteration (ms): 1234.5 |"
 _ITERATION_TIME = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 

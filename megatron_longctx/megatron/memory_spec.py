@@ -43,10 +43,11 @@ from megatron_longctx.memory.recompute import (
     full_recompute_layers,
 )
 from megatron_longctx.memory.rmsnorm import install_lean_norms
-from megatron_longctx.memory.tiled_loss import install_tiled_loss
 from megatron_longctx.memory.tiled_recompute import tiled_checkpoint
-from megatron_longctx.memory.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
 from megatron_longctx.megatron.core_attention import NvtxRanges
+from megatron_longctx.megatron.tiled_loss import install_tiled_loss
+from megatron_longctx.megatron.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
+from megatron_longctx.patching import patch
 
 # Offload policy ``modules``: the submodule each name scopes (norm outputs are saved by their consumer,
 # so ``layernorm`` scopes the norms themselves: what the norm's backward keeps).
@@ -167,8 +168,7 @@ def _scope_module(module: torch.nn.Module, name: str) -> Callable[[], None]:
         with hooks.module_scope(name):
             return original(*args, **kwargs)
 
-    module.forward = forward
-    return lambda: module.__dict__.pop("forward", None) if module.__dict__.get("forward") is forward else None
+    return patch(module, "forward", forward, f"offload policy modules: saved tensors of {name} are scoped").undo
 
 
 def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConfig, recompute: bool,
@@ -197,8 +197,8 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
                 if discard is not None:
                     discard.clear()
 
-    layer.forward = forward
-    return lambda: layer.__dict__.pop("forward", None) if layer.__dict__.get("forward") is forward else None
+    what = "recompute" if recompute else "offload"
+    return patch(layer, "forward", forward, f"layer {index}: {what} of its saved tensors").undo
 
 
 def _refuse_intermediate_outputs(decoder: torch.nn.Module) -> Callable[[], None]:
@@ -214,8 +214,7 @@ def _refuse_intermediate_outputs(decoder: torch.nn.Module) -> Callable[[], None]
                              "this model")
         return original(*args, **kwargs)
 
-    decoder.forward = forward
-    return lambda: decoder.__dict__.pop("forward", None) if decoder.__dict__.get("forward") is forward else None
+    return patch(decoder, "forward", forward, "--longctx-tiled-output-over-input: refuses intermediate outputs").undo
 
 
 def release_embedding_output(gpt_model: Any) -> Callable[[], None]:
@@ -236,7 +235,6 @@ def release_embedding_output(gpt_model: Any) -> Callable[[], None]:
     if not hasattr(gpt_model, "_preprocess") or getattr(gpt_model, "mtp_process", False):
         return lambda: None
     original_preprocess, original_forward = gpt_model._preprocess, gpt_model.forward
-    before = {name: gpt_model.__dict__.get(name) for name in ("_preprocess", "forward")}  # another wrapper's
     active: list = []
 
     @functools.wraps(original_preprocess)
@@ -257,15 +255,12 @@ def release_embedding_output(gpt_model: Any) -> Callable[[], None]:
         finally:
             active.pop()
 
-    gpt_model._preprocess, gpt_model.forward = preprocess, forward
+    reason = "the embedding output is handed to the decoder without a reference kept"
+    patches = [patch(gpt_model, "_preprocess", preprocess, reason), patch(gpt_model, "forward", forward, reason)]
 
     def remove() -> None:
-        for name, ours in (("_preprocess", preprocess), ("forward", forward)):
-            if gpt_model.__dict__.get(name) is ours:
-                if before[name] is None:
-                    del gpt_model.__dict__[name]
-                else:
-                    gpt_model.__dict__[name] = before[name]
+        for done in reversed(patches):
+            done.undo()
 
     return remove
 

@@ -1,5 +1,5 @@
 """What every way of running a Megatron-LM script sets up, whoever runs it: the launcher
-(:mod:`megatron_longctx.megatron.launch`), the CPU runner (``python -m megatron_longctx.cpu_compat``), the
+(:mod:`megatron_longctx.megatron.launch`), the CPU runner (``python -m megatron_longctx.megatron.cpu_compat``), the
 ``patches/`` hooks and the main job's worker.
 
 * :func:`skip_built_helpers`: Megatron's start-up build of the dataset helpers only when the compiled
@@ -51,7 +51,7 @@ def wrap_compile_helpers(original: Callable) -> Callable:
 def skip_built_helpers() -> None:
     """For the process's lifetime, skip Megatron's helpers build when ``helpers_cpp`` imports (idempotent;
     :func:`megatron_longctx.megatron.launch.install` does it reversibly; the ``patches/`` hooks and
-    ``python -m megatron_longctx.cpu_compat`` call this)."""
+    ``python -m megatron_longctx.megatron.cpu_compat`` call this)."""
     with contextlib.suppress(ImportError):
         datasets_utils = importlib.import_module("megatron.core.datasets.utils")
         if not hasattr(datasets_utils.compile_helpers, "__longctx_wrapped__"):
@@ -78,7 +78,7 @@ def wrap_training_log(original: Callable) -> Callable:
 def log_losses() -> None:
     """For the process's lifetime, write ``$LONGCTX_LOSS_LOG`` (idempotent;
     :func:`megatron_longctx.megatron.launch.install` does it reversibly; ``python -m
-    megatron_longctx.cpu_compat`` calls this)."""
+    megatron_longctx.megatron.cpu_compat`` calls this)."""
     with contextlib.suppress(ImportError):
         training = importlib.import_module("megatron.training.training")
         if not hasattr(training.training_log, "__longctx_wrapped__"):

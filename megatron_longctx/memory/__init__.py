@@ -16,7 +16,6 @@ from megatron_longctx.config import MemoryConfig  # noqa: F401 - public name (de
 _LAZY = {
     "ActivationOffloader": "megatron_longctx.memory.offload",
     "tiled_logits_loss": "megatron_longctx.memory.tiled_loss",
-    "TiledMLP": "megatron_longctx.memory.tiled_mlp",
     "SavedTensorAccountant": "megatron_longctx.memory.accounting",
 }
 

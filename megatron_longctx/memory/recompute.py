@@ -28,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_longctx.memory import hooks
+from megatron_longctx.patching import patch
 
 # ---------------------------------------------------------------------------------------------- RNG
 
@@ -251,8 +252,7 @@ def discard_output(module: torch.nn.Module, packer: DiscardOutputPacker) -> Call
             packer.register(out, original, (hidden_states,), rng)
         return out
 
-    module.forward = forward
-    return lambda: _restore_forward(module, original)
+    return patch(module, "forward", forward, "selective recompute: the output is recomputed, not kept").undo
 
 
 def checkpoint_module(module: torch.nn.Module) -> Callable[[], None]:
@@ -263,15 +263,7 @@ def checkpoint_module(module: torch.nn.Module) -> Callable[[], None]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(original, *args, **kwargs)
 
-    module.forward = forward
-    return lambda: _restore_forward(module, original)
-
-
-def _restore_forward(module: torch.nn.Module, original: Callable) -> None:
-    if getattr(original, "__self__", None) is module and original.__func__ is type(module).forward:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = original
+    return patch(module, "forward", forward, "recompute: the module runs checkpointed").undo
 
 
 # --------------------------------------------------------------------- Megatron layer wiring

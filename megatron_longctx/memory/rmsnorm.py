@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from megatron_longctx.memory import grad_buffers
+from megatron_longctx.patching import patch
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -98,8 +99,7 @@ def _swap(module: torch.nn.RMSNorm) -> Callable[[], None]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return lean_rms_norm(x, module.weight, _eps(module))
 
-    module.forward = forward
-    return lambda: module.__dict__.pop("forward", None) if module.__dict__.get("forward") is forward else None
+    return patch(module, "forward", forward, "--longctx-lean-norm: keeps its input and 1/rms only").undo
 
 
 def install_lean_norms(modules: Iterable[torch.nn.Module]) -> list[Callable[[], None]]:

@@ -23,7 +23,7 @@ def _batches(seq, n, vocab):
 
 
 def _train(bf16: bool, plugin: bool):
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.bench.engine import GPTShape, OptimConfig, Trainer, Variant
 
     shape = GPTShape(**SMALL, seq_length=64, bf16=bf16)
@@ -61,7 +61,7 @@ def test_bf16_losses_are_float32_losses_within_bf16_rounding_and_the_plugin_matc
 
 
 def _parameters(shapes):
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.bench.engine import GPTShape, OptimConfig, Trainer, Variant
 
     counts = []

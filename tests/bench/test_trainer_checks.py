@@ -18,7 +18,7 @@ def test_bad_model_shape_names_the_flag(kwargs, flag):
 
 
 def _bad_layout(argv):
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.bench.engine import OptimConfig, Trainer, Variant
 
     shape = GPTShape(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
@@ -41,7 +41,7 @@ def test_bad_layout_names_the_flag():
 
 
 def _steps(materialize: bool):
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.bench import engine
     from megatron_longctx.bench.engine import OptimConfig, Trainer, Variant
 

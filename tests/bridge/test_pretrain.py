@@ -59,7 +59,7 @@ def _train(cp: int, **longctx) -> list[float]:
     from megatron.bridge.training.pretrain import pretrain
     from megatron.core import parallel_state
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.bridge import configure
 
     sums: list[torch.Tensor] = []

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_longctx.job import checkpoint_guard as guard
-from megatron_longctx.job import data as data_mod
+from megatron_longctx import data as data_mod
 from megatron_longctx.job import pretrain
 from tests.job import main_job
 

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from megatron_longctx.job import data as data_mod
+from megatron_longctx import data as data_mod
 from megatron_longctx.job import providers
 
 

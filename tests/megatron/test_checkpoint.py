@@ -23,7 +23,8 @@ def _logits(model, batch):
 
 
 def _checkpoint_compat():
-    from megatron_longctx import apply_to_spec, cpu_compat
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron import cpu_compat
 
     batch = global_batch(seed=8)
     with cpu_compat.enabled():

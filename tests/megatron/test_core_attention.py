@@ -72,7 +72,7 @@ def test_one_rank_matches_float64_reference(case):
 def _dropout_body():
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
 
     with cpu_compat.enabled(), megatron_parallel():
         module = cp_attention(attention_config(attention_dropout=0.5))
@@ -97,7 +97,7 @@ def test_dropout_one_rank():
 def _cp_body(cp, comm, window):
     from megatron.core import parallel_state
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.config import ContextParallelConfig
 
     with cpu_compat.enabled(), megatron_parallel(cp=cp):

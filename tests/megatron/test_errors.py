@@ -56,7 +56,7 @@ def _cp2_errors():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
 
     with cpu_compat.enabled(), megatron_parallel(cp=2):

@@ -69,7 +69,7 @@ def _run_case(case, batch):
 
 
 def _all_cases(cases):
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
 
     batch = global_batch()
     with cpu_compat.enabled():
@@ -107,7 +107,8 @@ def test_cp_matches_megatron_cp1_mla(case):
 
 
 def _cp1_matches_megatron():
-    from megatron_longctx import apply_to_spec, cpu_compat
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron import cpu_compat
 
     batch = global_batch(seed=5)
     with cpu_compat.enabled(), megatron_parallel(tp=2):
@@ -137,7 +138,7 @@ def _per_layer_comm_types():
     """A per-layer --cp-comm-type list picks each layer's algorithm by layer_number - 1 (both versions)."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.config import ContextParallelConfig
     from megatron_longctx.megatron.core_attention import ContextParallelAttention
 
@@ -155,7 +156,8 @@ def _per_layer_comm_types():
 def _per_layer_gpt():
     from megatron.core import parallel_state
 
-    from megatron_longctx import apply_to_spec, cpu_compat
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron import cpu_compat
 
     with cpu_compat.enabled(), megatron_parallel(cp=2):
         cfg = tiny_config(1, 2, cp_comm_type=["a2a", "all_gather"])

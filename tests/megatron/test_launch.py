@@ -78,7 +78,7 @@ def test_flags_appear_in_megatrons_parser(monkeypatch):
 def _model_hook():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.megatron.core_attention import ContextParallelAttention
     from tests.gpt_kit import build_gpt, local_spec, tiny_config
 
@@ -165,7 +165,7 @@ def test_launcher_runs_an_unmodified_script(tmp_path):
     assert out["argv"][:3] == [str(result), "--longctx-cp-algorithm", "ring"]  # then the defaults it set
     if _has_training():
         assert out["cp_algorithm"] == "ring"
-        from megatron_longctx import cpu_compat
+        from megatron_longctx.megatron import cpu_compat
 
         if cpu_compat.needed():
             assert "--distributed-backend" in out["argv"][3:] and "gloo" in out["argv"][3:]
@@ -233,7 +233,7 @@ def test_patch_019_layer_spec_with_megatrons_default():
 def test_default_args_explicit_flags_win():
     if not _has_training():
         pytest.skip("this Megatron-Core wheel does not ship megatron.training (0.19 does)")
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
 
     argv, added = launch.default_args(["--num-layers", "2", "--distributed-backend=nccl", "--context-parallel-size",
                                        "2", "--attention-dropout", "0.1"])

@@ -144,9 +144,9 @@ def test_patched_script_trains_identically(script, cp1_losses, tmp_path):
     # cpu_compat's runner: the CPU defaults, no plugin installed (the patch brings it in).
     run = run_script(patched, [*TINY_GPT, *ITERS, "--context-parallel-size", "2", "--cp-comm-type", "p2p",
                                "--no-create-attention-mask-in-dataloader"],
-                     launcher=("-m", "megatron_longctx.cpu_compat")).check()
+                     launcher=("-m", "megatron_longctx.megatron.cpu_compat")).check()
     print(f"patched: {run.wall_s:.1f} s")
-    assert "megatron_longctx.cpu_compat: defaults set" in run.output
+    assert "megatron_longctx.megatron.cpu_compat: defaults set" in run.output
     assert_same_losses(run.lm_losses(), cp1_losses("learned"))
 
 

@@ -16,7 +16,8 @@ RECOMPUTE = [
 def _recompute_same_grads(comm):
     from megatron.core import parallel_state
 
-    from megatron_longctx import apply_to_spec, cpu_compat
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
     from megatron_longctx.megatron.core_attention import ContextParallelAttention
 

@@ -26,7 +26,7 @@ GPT_OSS = {"window_size": (4, 0), "window_attn_skip_freq": 2, "gated_linear_unit
 
 def _megatron_reference(tp: int, batch, **fields):
     """Megatron's local-spec GPT at CP=1 with random sinks: (its state, loss, grads)."""
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
 
     base = build_gpt(tiny_config(tp, 1, **fields), local_spec())
     gen = torch.Generator().manual_seed(21)
@@ -50,7 +50,8 @@ def _assert_same(case, loss, grads, ref_loss, ref_grads):
 
 
 def _cp1_body():
-    from megatron_longctx import apply_to_spec, cpu_compat
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron import cpu_compat
 
     batch = global_batch(seed=5)
     with cpu_compat.enabled(), megatron_parallel(tp=2):
@@ -71,7 +72,8 @@ def _cp_body(fields, cases):
     """Megatron's CP=1 reference of ``fields`` once, then the plugin at each (cp, --cp-comm-type) of ``cases``."""
     from megatron.core import parallel_state
 
-    from megatron_longctx import apply_to_spec, cpu_compat
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
 
     batch = global_batch(seed=3)
@@ -113,7 +115,8 @@ def _roundtrip(state):
 
 
 def _checkpoint_body():
-    from megatron_longctx import apply_to_spec, cpu_compat
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron import cpu_compat
 
     batch = global_batch(seed=8)
     with cpu_compat.enabled(), megatron_parallel(tp=2):

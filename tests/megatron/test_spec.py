@@ -217,7 +217,7 @@ def test_memory_options_pass_through(monkeypatch):
 def _moe_block_model():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron_longctx import cpu_compat
+    from megatron_longctx.megatron import cpu_compat
     from tests.gpt_kit import build_gpt
 
     with cpu_compat.enabled(), megatron_parallel(cp=2):

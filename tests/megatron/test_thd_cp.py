@@ -34,7 +34,8 @@ def _packed_model(spec, cp, comm, seed, **config):
 def _thd_matches_cp1(cases, **config):
     from megatron.core import parallel_state
 
-    from megatron_longctx import apply_to_spec, cpu_compat
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.attention import Packing, packed_batch_on_this_cp_rank, pad_packed
     from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
 

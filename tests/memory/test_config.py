@@ -54,7 +54,7 @@ def test_wiring_rejects_what_it_cannot_do():
 
     from megatron_longctx.megatron.memory_spec import apply_memory_to_layer_spec, install
     from megatron_longctx.memory.tiled_loss import tiled_logits_loss
-    from megatron_longctx.memory.tiled_mlp import tiled_mlp_spec
+    from megatron_longctx.megatron.tiled_mlp import tiled_mlp_spec
 
     with pytest.raises(ValueError, match="MemoryConfig"):
         install(torch.nn.Linear(2, 2), {"tiled_mlp_tiles": 2})

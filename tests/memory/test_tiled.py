@@ -282,7 +282,7 @@ def _gpt_tiled_matches_plain():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_longctx.megatron.memory_spec import apply_memory_to_layer_spec, install
-    from megatron_longctx.memory.tiled_mlp import tiled_mlp_type
+    from megatron_longctx.megatron.tiled_mlp import tiled_mlp_type
 
     extra: dict = {}  # sequence parallel needs TE/Apex norms: not buildable on CPU
     with cpu(), megatron_parallel(tp=2):

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_longctx import cpu_compat
+from megatron_longctx.megatron import cpu_compat
 from megatron_longctx.plan.memory import saved_per_layer
 from megatron_longctx.plan.model import MemoryOptions, ModelShape, Parallel, layer_activations
 from tests.dist import megatron_parallel, run_ranks

@@ -446,17 +446,17 @@ def enabled() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m megatron_longctx.cpu_compat <script.py> [args...]``: run a Megatron-LM script on a CPU
+    """``python -m megatron_longctx.megatron.cpu_compat <script.py> [args...]``: run a Megatron-LM script on a CPU
     process with the CPU defaults, *without* installing the plugin (baseline Megatron, or a script patched
     with ``patches/``).  ``python -m megatron_longctx.launch`` is the same with the plugin installed."""
     import runpy
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m megatron_longctx.cpu_compat <script.py> [Megatron-LM args]")
+        print("usage: python -m megatron_longctx.megatron.cpu_compat <script.py> [Megatron-LM args]")
         raise SystemExit(0 if argv else 2)
     if not os.path.isfile(argv[0]):
-        raise SystemExit(f"megatron_longctx.cpu_compat: no such script: {argv[0]}")
+        raise SystemExit(f"megatron_longctx.megatron.cpu_compat: no such script: {argv[0]}")
     script = os.path.abspath(argv[0])
     sys.path.insert(0, os.path.dirname(script))  # before Megatron is imported: the script's tree first
     from megatron_longctx.megatron.arguments import megatron_parser, with_defaults
@@ -468,13 +468,13 @@ def main(argv: list[str] | None = None) -> None:
     args, more = with_defaults(args, megatron_default_args(parser), parser)
     added += more
     if added and os.environ.get("RANK", "0") == "0":
-        print(f"megatron_longctx.cpu_compat: defaults set (explicit flags win): {', '.join(added)}", flush=True)
+        print(f"megatron_longctx.megatron.cpu_compat: defaults set (explicit flags win): {', '.join(added)}", flush=True)
     enable()
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":
-    from megatron_longctx.cpu_compat import main as _main  # the imported module's state, not __main__'s
+    from megatron_longctx.megatron.cpu_compat import main as _main  # the imported module's state, not __main__'s
 
     _main()

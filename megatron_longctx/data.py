@@ -1,4 +1,4 @@
-"""Training data for the main job: Python's own standard-library sources as a Megatron indexed dataset.
+"""Training data for the main job and the benchmark: the standard library's sources as a Megatron dataset.
 
 Nothing is downloaded.  The text is the ``.py`` files of the running interpreter's standard library
 (sorted by path, so every machine with the same Python version sees the same corpus); the tokenizer is
