@@ -256,10 +256,8 @@ class _AttentionCalls:
         self._handles = [m.register_forward_pre_hook(self._seen, with_kwargs=True) for m in mods]
 
     def _seen(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        from megatron_longctx.memory import tiled_recompute
-
-        replay = tiled_recompute.current()
-        self.modes.add("whole" if replay is None else replay.mode)
+        replay = module.replay
+        self.modes.add("whole" if replay is None else replay.mode.value)
         query = args[0] if args else kwargs["query"]  # [s, b, np, hn]
         self.max_rows = max(self.max_rows, query.shape[0])
 

@@ -117,7 +117,7 @@ def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int,
     return (int(left), int(right))
 
 
-class ContextParallelAttention(MegatronModule):
+class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
     """Megatron ``core_attention`` backed by context-parallel attention (ring / all-gather / Ulysses / hybrid).
 
     Built by Megatron's ``Attention.__init__`` with keywords ``config, layer_number, attn_mask_type,
@@ -253,9 +253,8 @@ class ContextParallelAttention(MegatronModule):
                              "(e.g. drop --position-embedding-type alibi-style biases) or use Megatron's attention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         dropout_p = self.settings.dropout_p if self.training else 0.0
-        replay = tiled_recompute.current()
-        if replay is not None:
-            return self._forward_tile(replay, query, key, value, attention_mask, mask_type, dropout_p,
+        if self.replay is not None:  # a layer replayed in sequence tiles handed us its replay
+            return self._forward_tile(self.replay, query, key, value, attention_mask, mask_type, dropout_p,
                                       packed_seq_params)
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd":
             return self._forward_thd(query, key, value, mask_type, dropout_p, packed_seq_params)
@@ -281,7 +280,7 @@ class ContextParallelAttention(MegatronModule):
         # [sq, b, np, hn_v] -> [sq, b, np*hn_v]
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _forward_tile(self, replay: Any, query, key, value, attention_mask, mask_type, dropout_p: float,
+    def _forward_tile(self, replay: tiled_recompute.Replay, query, key, value, attention_mask, mask_type, dropout_p: float,
                       packed_seq_params: Any) -> torch.Tensor:
         """One tile of a layer replayed in sequence tiles (``--longctx-recompute-tiles``, see
         :mod:`megatron_longctx.memory.tiled_recompute`): store K/V, attend the tile's queries, or hand
@@ -309,13 +308,8 @@ class ContextParallelAttention(MegatronModule):
                                   self.settings.backend)
             return TiledKV(self.cp_group if self.cp_size > 1 else None, replay.seq_len, args)
 
-        kv = replay.state_for(self, make)
-        if replay.mode == tiled_recompute.COLLECT:
-            kv.store(replay.lo, replay.hi, key, value)
-            raise tiled_recompute.ReplayStop()
-        if replay.mode == tiled_recompute.KV_GRAD:
-            raise tiled_recompute.ReplayStop((key, value), kv.kv_grads(replay.lo, replay.hi, key.dtype))
-        out = kv.attend(query, replay.lo, replay.hi)  # [t, b, np, hn_v]
+        replay.state_for(make)
+        out = replay.step(query, key, value)  # [t, b, np, hn_v]
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _dense_mask(self, attention_mask: Optional[torch.Tensor], mask_type: AttnMaskType) -> Optional[torch.Tensor]:

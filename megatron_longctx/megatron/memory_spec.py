@@ -43,7 +43,7 @@ from megatron_longctx.memory.recompute import (
     full_recompute_layers,
 )
 from megatron_longctx.memory.rmsnorm import install_lean_norms
-from megatron_longctx.memory.tiled_recompute import tiled_checkpoint
+from megatron_longctx.memory.tiled_recompute import tile_attention_of, tiled_checkpoint
 from megatron_longctx.megatron.core_attention import NvtxRanges
 from megatron_longctx.megatron.tiled_loss import install_tiled_loss
 from megatron_longctx.megatron.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
@@ -176,6 +176,7 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
                 grad_target: Optional[residual_offload.Target] = None) -> Callable[[], None]:
     original = layer.forward
     offload_here = offloader is not None and (cfg.offload_policy != "checkpoint" or recompute)
+    attention = tile_attention_of(layer) if recompute and cfg.recompute_tiles > 1 else None
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -189,7 +190,7 @@ def _wrap_layer(layer: torch.nn.Module, index: int, first: bool, cfg: MemoryConf
                 stack.enter_context(hooks.packing(discard))
             try:
                 if recompute and cfg.recompute_tiles > 1:
-                    return tiled_checkpoint(original, cfg.recompute_tiles, layer.parameters, *args,
+                    return tiled_checkpoint(original, cfg.recompute_tiles, layer.parameters, *args, attention=attention,
                                             grad_target=grad_target, output_over_input=cfg.tiled_output_over_input,
                                             ranges=NvtxRanges(), **kwargs)
                 return checkpoint(original, *args, **kwargs) if recompute else original(*args, **kwargs)

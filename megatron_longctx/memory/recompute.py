@@ -78,7 +78,7 @@ def _tracker() -> Any:
 
 
 @dataclasses.dataclass
-class _SwapRng:
+class RngRewind:
     """Context: rewind to ``snapshot`` for a replay, then put the live generators back."""
 
     snapshot: RngSnapshot
@@ -135,7 +135,7 @@ def checkpoint_backward(call: _CheckpointedCall, tensors: tuple, grads: tuple) -
     for slot, t in zip(call.tensor_slots, inputs):
         leaves[slot] = t
     args, kwargs = pytree.tree_unflatten(leaves, call.spec)
-    with _SwapRng(call.rng), torch.enable_grad(), hooks.paused():
+    with RngRewind(call.rng), torch.enable_grad(), hooks.paused():
         out = call.fn(*args, **kwargs)
     out_leaves = pytree.tree_leaves(out)
     outs, out_grads = [], []
@@ -227,7 +227,7 @@ class DiscardOutputPacker:
 
     def unpack(self, recipe: _Recomputable) -> torch.Tensor:
         if recipe.value is None:
-            with _SwapRng(recipe.rng), torch.no_grad():
+            with RngRewind(recipe.rng), torch.no_grad():
                 recipe.value = recipe.fn(*recipe.inputs)
         return recipe.value
 

@@ -24,9 +24,10 @@ Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`; a fused line
 into ``main_grad`` is honoured, its placeholder dropped) and returned by one autograd node,
 so gradient hooks (Megatron's DDP) fire once per parameter, as without tiling.
 
-The core attention takes part through :func:`current`: while a replay is active it reads the
-replay's ``mode`` and tile (``lo``, ``hi``) and keeps its per-layer state in :meth:`_Replay.state_for`.
-The attention implementation lives with it (:mod:`megatron_longctx.megatron.core_attention`).
+The layer's attention takes part as a :class:`TileAttention`: the replay is handed to it for each pass
+(:meth:`TileAttention.replaying`), and it runs :meth:`Replay.step` on its tile (``lo``, ``hi``) with the
+per-layer state it keeps in :meth:`Replay.state_for`
+(:class:`megatron_longctx.megatron.core_attention.ContextParallelAttention` is one).
 Dropout is not replayed per tile (a tile would draw other masks than the whole layer): callers
 refuse it.
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -42,11 +44,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_longctx.memory import grad_buffers, hooks, residual_offload
-from megatron_longctx.memory.recompute import RngSnapshot, _SwapRng
+from megatron_longctx.memory.recompute import RngRewind, RngSnapshot
 
-COLLECT = "collect"  # store the tile's K/V, stop at the core attention
-ATTEND = "attend"  # attend the tile's queries over the gathered K/V, run the layer to its end
-KV_GRAD = "kv_grad"  # stop at the core attention with the tile's (k, v) and their gradients
+
+class Pass(enum.Enum):
+    COLLECT = "collect"  # store the tile's K/V, stop at the core attention
+    ATTEND = "attend"  # attend the tile's queries over the gathered K/V, run the layer to its end
+    KV_GRAD = "kv_grad"  # stop at the core attention with the tile's (k, v) and their gradients
+
 
 # Keyword arguments of a TransformerLayer that hold one row per token (cut per tile with the input).
 PER_TOKEN_KWARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
@@ -78,41 +83,61 @@ class RangeStack(Protocol):
 
 
 @dataclasses.dataclass
-class _Replay:
-    """One layer's replay: the pass, the tile being run, and the core attention's state."""
+class Replay:
+    """One layer's replay: the pass, the tile being run, and the attention's state."""
 
     seq_len: int  # this rank's tokens
-    mode: str = COLLECT
+    mode: Pass = Pass.COLLECT
     lo: int = 0
     hi: int = 0
     state: Any = None
-    owner: Any = None  # the module whose state this is
 
-    def state_for(self, owner: Any, make: Callable[[], Any]) -> Any:
-        """The per-layer state of ``owner`` (made on first use); one core attention per replayed layer."""
+    def state_for(self, make: Callable[[], Any]) -> Any:
+        """The attention's state for this layer (its K/V store, :class:`~megatron_longctx.attention.tiled.
+        TiledKV` or the like), made on first use."""
         if self.state is None:
-            self.state, self.owner = make(), owner
-        elif self.owner is not owner:
-            raise ValueError("--longctx-recompute-tiles: a tiled layer holds more than one core attention; "
-                             "tile layers with one self-attention only, or set --longctx-recompute-tiles 0")
+            self.state = make()
         return self.state
 
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The attention's share of this pass for the tile's ``query``/``key``/``value``: store K/V and stop
+        the layer (collect), attend over the gathered K/V (attend), or stop with the tile's K/V and their
+        gradients (K/V gradients)."""
+        kv = self.state
+        if self.mode is Pass.COLLECT:
+            kv.store(self.lo, self.hi, key, value)
+            raise ReplayStop()
+        if self.mode is Pass.KV_GRAD:
+            raise ReplayStop((key, value), kv.kv_grads(self.lo, self.hi, key.dtype))
+        return kv.attend(query, self.lo, self.hi)
 
-_ACTIVE: list[_Replay] = []
+
+class TileAttention:
+    """Mixin of an attention module that takes part in a replay: :attr:`replay` is the replay handed to it
+    for the pass in progress (``None`` outside one)."""
+
+    replay: Optional[Replay] = None
+
+    @contextlib.contextmanager
+    def replaying(self, replay: Replay) -> Iterator[None]:
+        before, self.replay = self.replay, replay
+        try:
+            yield
+        finally:
+            self.replay = before
 
 
-def current() -> Optional[_Replay]:
-    """The replay in progress in this process, if any (read by the core attention)."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
-@contextlib.contextmanager
-def _active(replay: _Replay) -> Iterator[None]:
-    _ACTIVE.append(replay)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
+def tile_attention_of(layer: Any) -> TileAttention:
+    """The one :class:`TileAttention` inside ``layer`` (a module), which the replay hands itself to."""
+    found = [m for m in layer.modules() if isinstance(m, TileAttention)]
+    if not found:
+        raise ValueError("--longctx-recompute-tiles: the layer has no attention that takes part in a tiled replay; "
+                         "build the model with megatron_longctx.apply_to_spec (ContextParallelAttention as "
+                         "core_attention) or set --longctx-recompute-tiles 0")
+    if len(found) > 1:
+        raise ValueError("--longctx-recompute-tiles: a tiled layer holds more than one core attention; "
+                         "tile layers with one self-attention only, or set --longctx-recompute-tiles 0")
+    return found[0]
 
 
 def tile_bounds(seq_len: int, num_tiles: int) -> list[tuple[int, int]]:
@@ -134,6 +159,7 @@ class _TiledCall:
     kwargs: dict
     num_tiles: int
     rng: RngSnapshot
+    attention: TileAttention  # the layer's attention, handed the replay for each pass
     grad_target: Optional[residual_offload.Target] = None  # --longctx-offload-residual-grad: where dx may stream
     output_over_input: bool = False  # --longctx-tiled-output-over-input
     out_spec: Any = None
@@ -167,19 +193,18 @@ def _with_next(tiles: list) -> list:
     return list(zip(tiles, [*tiles[1:], None]))
 
 
-def _collect(call: _TiledCall, rows: Rows, seq_len: int, with_grads: bool) -> _Replay:
+def _collect(call: _TiledCall, rows: Rows, seq_len: int, with_grads: bool) -> Replay:
     """Pass 1: every tile's K/V stored by the core attention, then gathered."""
-    replay = _Replay(seq_len=seq_len)
-    with torch.no_grad(), _active(replay):
+    replay = Replay(seq_len=seq_len)
+    with torch.no_grad(), call.attention.replaying(replay):
         for (lo, hi), ahead in _with_next(tile_bounds(seq_len, call.num_tiles)):
             replay.lo, replay.hi = lo, hi
             try:
                 call.run_tile(rows(lo, hi, ahead), lo, hi)
             except ReplayStop:
                 continue
-            raise ValueError("--longctx-recompute-tiles: the layer ran to its end without reaching the plugin's "
-                             "core attention; build the model with megatron_longctx.apply_to_spec "
-                             "(ContextParallelAttention as core_attention) or set --longctx-recompute-tiles 0")
+            raise ValueError("--longctx-recompute-tiles: the layer ran to its end without reaching its attention; "
+                             "replay layers whose attention runs on every call, or set --longctx-recompute-tiles 0")
     replay.state.gather(with_grads)
     return replay
 
@@ -192,9 +217,9 @@ def _forward(call: _TiledCall, x: torch.Tensor,
     (each tile's rows once the tile has run; pass 1 has read every row before); called once before the
     first write, it returns when ``x``'s memory may be overwritten."""
     replay = _collect(call, lambda lo, hi, ahead: x[lo:hi], x.shape[0], with_grads=False)
-    replay.mode = ATTEND
+    replay.mode = Pass.ATTEND
     outs: list[torch.Tensor] = []
-    with torch.no_grad(), _active(replay):
+    with torch.no_grad(), call.attention.replaying(replay):
         for lo, hi in tile_bounds(x.shape[0], call.num_tiles):
             replay.lo, replay.hi = lo, hi
             leaves, spec = pytree.tree_flatten(call.run_tile(x[lo:hi], lo, hi))
@@ -282,11 +307,11 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
     replay = _collect(call, rows, seq_len, with_grads=True)
     dparams = grad_buffers.ParamGrads(params)
     tiles = tile_bounds(seq_len, call.num_tiles)
-    replay.mode = ATTEND
+    replay.mode = Pass.ATTEND
     for (lo, hi), ahead in _with_next(tiles):
         replay.lo, replay.hi = lo, hi
         x_t = rows(lo, hi, ahead).detach().requires_grad_(True)
-        with torch.enable_grad(), _active(replay):
+        with torch.enable_grad(), call.attention.replaying(replay):
             leaves = pytree.tree_leaves(call.run_tile(x_t, lo, hi))
         outs, out_grads = [], []
         for i, g in zip(call.token_slots, grads):
@@ -298,12 +323,12 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
         del leaves, outs, out_grads, got
     replay.state.reduce_grads()
     dx.begin_kv_pass()
-    replay.mode = KV_GRAD
+    replay.mode = Pass.KV_GRAD
     for (lo, hi), ahead in _with_next(tiles):
         replay.lo, replay.hi = lo, hi
         x_t = rows(lo, hi, ahead).detach().requires_grad_(True)
         try:
-            with torch.enable_grad(), _active(replay):
+            with torch.enable_grad(), call.attention.replaying(replay):
                 call.run_tile(x_t, lo, hi)
         except ReplayStop as stop:
             got = dparams.grad(stop.outputs, (x_t,), stop.grads)
@@ -369,20 +394,21 @@ class TiledCheckpointFunction(torch.autograd.Function):
         else:
             dx = _InputGrad(shape, dtype, device, dense=torch.empty(shape, dtype=dtype, device=device))
         del grads, taken
-        with _SwapRng(ctx.call.rng), hooks.paused():
+        with RngRewind(ctx.call.rng), hooks.paused():
             dparams = _backward(ctx.call, rows, dx, ctx.params, out_grads)
         if dx.onward:
             return (None, residual_offload.hand_over(ctx.consumer, dx.stream), *dparams)
         return (None, grad_buffers.own(dx.dense, ctx.watch), *dparams)
 
 
-def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any,
+def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any, attention: TileAttention,
                      grad_target: Optional[residual_offload.Target] = None, output_over_input: bool = False,
                      ranges: Optional[RangeStack] = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a transformer layer) kept as its input and replayed in ``num_tiles`` tiles.
 
     The first argument (or ``hidden_states``) is ``[s, b, h]``, cut along ``s``; the rotary
-    embeddings (:data:`PER_TOKEN_KWARGS`) are cut with it; ``params()`` gives the layer's parameters.
+    embeddings (:data:`PER_TOKEN_KWARGS`) are cut with it; ``params()`` gives the layer's parameters;
+    ``attention``: the layer's :class:`TileAttention` (:func:`tile_attention_of`).
     Every tensor output with one row per token is concatenated over the tiles; other outputs come
     from the first tile.  ``grad_target``: the input's gradient may stream there (:mod:`residual_offload`).
     ``output_over_input``: the first output is written over the input's memory when the checkpoint
@@ -402,8 +428,8 @@ def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *a
         raise ValueError("--longctx-recompute-tiles: only the layer's hidden states may require grad "
                          "(another tensor argument does); set --longctx-recompute-tiles 0")
     call = _TiledCall(fn=fn, positional=bool(args), rest=tuple(args[1:]), kwargs=kwargs, num_tiles=num_tiles,
-                      rng=RngSnapshot.capture(), grad_target=grad_target, output_over_input=output_over_input,
-                      ranges=ranges)
+                      rng=RngSnapshot.capture(), attention=attention, grad_target=grad_target,
+                      output_over_input=output_over_input, ranges=ranges)
     trainable = tuple(p for p in params() if p.requires_grad)
     outs = TiledCheckpointFunction.apply(call, x, *trainable)
     leaves = list(call.other_leaves)

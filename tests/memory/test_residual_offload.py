@@ -47,7 +47,8 @@ def _model(target, extra_use=False, hook=False, tiles=5):
         middle = None
         for i, layer in enumerate(layers):
             if tiles:
-                h, _ = tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, grad_target=target)
+                h, _ = tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, attention=layer,
+                                                        grad_target=target)
             else:
                 h, _ = layer(h)
             if i == 1:

@@ -107,7 +107,7 @@ def test_tile_attention_cp2_matches_whole_sequence_float64():
     run_ranks(2, _tiled_kv_cp2)
 
 
-class _ToyLayer(torch.nn.Module):
+class _ToyLayer(tiled_recompute.TileAttention, torch.nn.Module):
     """Norm-free pre-attention projection, causal attention, output projection and residual; its attention
     takes part in a tiled replay as ContextParallelAttention does."""
 
@@ -120,17 +120,12 @@ class _ToyLayer(torch.nn.Module):
     def forward(self, hidden_states, scale=1.0):
         t, b, _ = hidden_states.shape
         q, k, v = (x.reshape(t, b, self.heads, self.d) for x in self.qkv(hidden_states).chunk(3, dim=-1))
-        replay = tiled_recompute.current()
+        replay = self.replay
         if replay is None:
             o = sequence_attention(q, k, v, True, None, self.d ** -0.5)
         else:
-            kv = replay.state_for(self, lambda: TiledKV(None, replay.seq_len, attention_args(q, True, None, None, None)))
-            if replay.mode == tiled_recompute.COLLECT:
-                kv.store(replay.lo, replay.hi, k, v)
-                raise tiled_recompute.ReplayStop()
-            if replay.mode == tiled_recompute.KV_GRAD:
-                raise tiled_recompute.ReplayStop((k, v), kv.kv_grads(replay.lo, replay.hi, k.dtype))
-            o = kv.attend(q, replay.lo, replay.hi)
+            replay.state_for(lambda: TiledKV(None, replay.seq_len, attention_args(q, True, None, None, None)))
+            o = replay.step(q, k, v)
         return self.out(o.reshape(t, b, -1)) * scale + hidden_states, None
 
 
@@ -144,8 +139,8 @@ def test_tiled_checkpoint_of_a_toy_layer_matches_float64_and_keeps_no_input():
         layer.zero_grad()
         h = x0 * 1.5  # the layer input, a non-leaf the caller lets go of
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):  # a copying packer
-            y, none = (tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, scale=0.5) if tiles
-                       else layer(h, scale=0.5))
+            y, none = (tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, attention=layer, scale=0.5)
+                       if tiles else layer(h, scale=0.5))
         alive = weakref.ref(h)
         del h
         kept = alive() is not None
@@ -175,7 +170,7 @@ def test_an_offloaded_layer_input_comes_back_one_tile_at_a_time(tmp_path):
     off = ActivationOffloader(MemoryConfig(recompute_granularity="full", offload_policy="checkpoint",
                                            offload_target="disk", offload_min_bytes=0, offload_disk_dir=str(tmp_path)))
     with hooks.packing(off), hooks.layer_scope(0):
-        y, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, x0 * 1.5)
+        y, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, x0 * 1.5, attention=layer)
     got = torch.autograd.grad(y, (x0, *layer.parameters()), dy)
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
     for g, want in zip(got, ref):
@@ -211,8 +206,8 @@ def test_outputs_over_inputs_with_the_residual_gradient_streamed_match_float64(t
     with hooks.packing(off):
         for i, layer in enumerate(layers):
             with hooks.layer_scope(i):
-                out, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, h, grad_target=target,
-                                                          output_over_input=True)
+                out, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, h, attention=layer,
+                                                          grad_target=target, output_over_input=True)
             assert out is h and out.data_ptr() == first  # the input tensor, now holding the output
             h = out
     torch.testing.assert_close(h.detach(), y_ref, rtol=1e-12, atol=1e-12)
@@ -383,10 +378,8 @@ def _refusals():
         with pytest.raises(ValueError, match="--longctx-cp-algorithm allgather"):
             loss_and_grads(model, batches=[batch(seed=0, seq=ORACLE_SEQ // 2)])
     with cpu(), megatron_parallel():
-        model = build_gpt(**NO_DROPOUT)  # Megatron's own DotProductAttention
-        install(model, cfg)
-        with pytest.raises(ValueError, match="without reaching the plugin's core attention"):
-            loss_and_grads(model)
+        with pytest.raises(ValueError, match="no attention that takes part in a tiled replay"):
+            install(build_gpt(**NO_DROPOUT), cfg)  # Megatron's own DotProductAttention
         model = build_gpt(**NO_DROPOUT, spec=_plugin_spec())
         over = MemoryConfig(recompute_granularity="full", recompute_tiles=2, offload_policy="checkpoint",
                             offload_target="disk", tiled_output_over_input=True)
