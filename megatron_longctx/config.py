@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, Literal
 
-# The algorithms of megatron_longctx.attention; "auto" follows Megatron's own --cp-comm-type.
+# megatron_longctx.attention.ALGORITHMS, and "auto": follow Megatron's own --cp-comm-type.
 CpAlgorithm = Literal["auto", "ring", "allgather", "ulysses", "hybrid"]
 OffloadPolicy = Literal["none", "checkpoint", "modules", "layers"]
 OffloadTarget = Literal["host", "disk"]
@@ -28,7 +28,6 @@ RecomputeMethod = Literal["uniform", "block"]
 # Names a Megatron user gives to the parts of a transformer layer (selective recompute, module offload).
 LayerModule = Literal["core_attn", "qkv", "proj", "mlp", "layernorm"]
 
-CP_ALGORITHMS: tuple[str, ...] = typing.get_args(CpAlgorithm)
 OFFLOAD_POLICIES: tuple[str, ...] = typing.get_args(OffloadPolicy)
 OFFLOAD_TARGETS: tuple[str, ...] = typing.get_args(OffloadTarget)
 RECOMPUTE_GRANULARITIES: tuple[str, ...] = typing.get_args(RecomputeGranularity)

@@ -1,11 +1,5 @@
-"""``cp_attention``: context-parallel attention over Megatron's load-balanced sequence shards.
-
-Entry point of the package, for dense ``[s, b, h, d]`` sequences and packed ``[t, h, d]`` documents
-(THD) alike.  Validates the inputs (:mod:`.args`: every unsupported case is a ``ValueError`` naming
-the parameter; an unavailable ``backend`` is the kernels' ``KernelUnsupported``), checks once per
-configuration that every rank agrees (:mod:`.agreement`), describes the tokens as one
-:class:`.layout.SeqLayout` (a dense sequence is one document), moves them to the kernels' ``[b, t,
-h, d]`` and dispatches to one communication pattern: :mod:`.ring`, :mod:`.allgather` or
+"""``cp_attention``: context-parallel attention over Megatron's load-balanced sequence shards, dense and
+packed (THD) alike: checks, one :class:`.layout.SeqLayout`, then :mod:`.ring`, :mod:`.allgather` or
 :mod:`.ulysses` (Ulysses and the hybrid).
 """
 
@@ -18,7 +12,6 @@ import torch.distributed as dist
 
 from ..kernels.base import BlockMask
 from ..kernels.select import get_kernel
-from .ulysses import ulysses_attention
 from .agreement import check_ranks_agree
 from .allgather import AllGatherAttention
 from .args import (
@@ -37,6 +30,7 @@ from .ring import RingAttention
 from .schedule import ring_schedule, schedule_pairs
 from .sharding import check_divisible
 from .sinks import check_softmax_offset
+from .ulysses import ulysses_attention
 
 __all__ = ["ALGORITHMS", "cp_attention", "cp_attention_packed", "schedule_flops"]
 
@@ -59,97 +53,70 @@ def cp_attention(
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, sharded over ``cp_group``.
 
-    Layouts (Megatron's): q ``[s/cp, b, h_q, d_qk]``, k ``[s/cp, b, h_kv, d_qk]``, v
-    ``[s/cp, b, h_kv, d_v]`` -> out ``[s/cp, b, h_q, d_v]`` in q's dtype.  ``h_q % h_kv == 0``
-    (GQA/MQA heads are not expanded); ``d_v`` may differ from ``d_qk`` (MLA).  Each rank holds its
-    shard in Megatron's load-balanced layout (:func:`.sharding.shard_sequence`: chunks ``r`` and
-    ``2cp-1-r`` of ``2cp``), with equal shapes on every rank.
+    Arguments:
+        q: ``[s/cp, b, h_q, d_qk]`` (packed: ``[t/cp, h_q, d_qk]``), this rank's shard in Megatron's
+            load-balanced layout (chunks ``r`` and ``2cp-1-r`` of ``2cp``, :func:`.sharding.shard_sequence`;
+            packed: per document, :func:`.packed_sharding.shard_packed`); equal shapes on every rank.
+        k, v: ``[s/cp, b, h_kv, d_qk]`` and ``[s/cp, b, h_kv, d_v]``; ``h_q % h_kv == 0`` (GQA/MQA, heads not
+            expanded); ``d_v`` may differ from ``d_qk`` (MLA).
+        cp_group: the context-parallel group; ``None`` or size 1: local attention.
+        algorithm: ``"ring"`` (Ring Attention, zigzag), ``"allgather"`` (Llama 3), ``"ulysses"``
+            (DeepSpeed-Ulysses) or ``"hybrid"`` (USP: Ulysses inside groups, ring across).
+        causal, window_size: flash-attn's convention, ``(left, right)``, ``-1`` unbounded; packed: inside
+            each document.
+        softmax_scale: defaults to ``1/sqrt(d_qk)``.
+        backend: the block kernel (:data:`megatron_longctx.kernels.BACKENDS`); default: chosen per device.
+        ulysses_size: ``"hybrid"``: ranks per all-to-all group (consecutive ranks).
+        hcp_groups: ``"hybrid"``: Megatron's ``(a2a_group, ring_group)`` instead of ``ulysses_size``.
+        packing: packed documents (THD, :class:`.layout.Packing` of the *global* ``cu_seqlens``); attention
+            never crosses a document; padding tokens get zeros and zero gradients.
+        softmax_offset: ``[h_q]`` attention sinks (:mod:`.sinks`): one more logit per head in each row's
+            softmax denominator; its gradient here covers this rank's rows (summed over ``cp_group``, it is
+            the whole gradient).
+    Returns:
+        out: ``[s/cp, b, h_q, d_v]`` (packed: ``[t/cp, h_q, d_v]``) in q's dtype; the softmax statistics
+        accumulate in float32 (float64 for float64).
 
-    ``algorithm``: ``"ring"`` (Ring Attention, Liu et al. 2023, zigzag load balance),
-    ``"allgather"`` (Llama 3), ``"ulysses"`` (DeepSpeed-Ulysses, Jacobs et al. 2023) or
-    ``"hybrid"`` (USP / LoongTrain: Ulysses inside groups of ``ulysses_size`` consecutive ranks,
-    ring across them; or pass Megatron's hierarchical groups as ``hcp_groups=(a2a_group,
-    ring_group)``, inner all-to-all group first, as ``pg_collection.hcp`` /
-    ``parallel_state.get_hierarchical_context_parallel_groups()`` give them).  ``causal`` and
-    ``window_size=(left, right)`` follow flash-attn (``-1`` unbounded; the right side is 0 under
-    ``causal``).  ``softmax_scale`` defaults to ``1/sqrt(d_qk)``.  ``backend`` names the block
-    kernel (default: chosen by :mod:`megatron_longctx.kernels`).  ``cp_group`` None or of size 1:
-    plain local attention.  The softmax statistics accumulate in float32 (float64 for float64).
-
-    The first call of a configuration checks with one small collective that every rank of
-    ``cp_group`` passes the same configuration (:func:`.agreement.check_ranks_agree`); a mismatch
-    raises on every rank, naming the parameter and the ranks.
-
-    ``packing`` (:class:`.layout.Packing`): packed documents (THD): q/k/v are then
-    ``[t/cp, h, d]`` in the per-document load-balanced layout and each token attends only within
-    its document; see :func:`cp_attention_packed`.
-
-    ``softmax_offset`` ``[h_q]`` (attention sinks, :mod:`.sinks`; Megatron's ``--softmax-type``
-    ``off-by-one`` passes zeros, ``learnable`` its parameter): one more logit per head in every row's
-    softmax denominator, with no value.  Differentiable; its gradient on each rank covers the rows
-    (Ulysses: the heads) this rank attends, so the sum over ``cp_group`` is the whole gradient (what
-    Megatron's data-parallel reduction over ``dp_cp`` forms).
+    Every unsupported case is a ``ValueError`` naming the argument; the first call of a configuration checks
+    with one small collective that every rank passes the same one (:func:`.agreement.check_ranks_agree`).
     """
-    if packing is not None:
-        return cp_attention_packed(q, k, v, cp_group, packing, algorithm=algorithm, causal=causal,
-                                   softmax_scale=softmax_scale, window_size=window_size, backend=backend,
-                                   ulysses_size=ulysses_size, hcp_groups=hcp_groups, softmax_offset=softmax_offset)
     check_algorithm_name(algorithm)
-    check_tensors(q, k, v)
-    check_softmax_offset(softmax_offset, q, head_dim=2)
-    args = attention_args(q, causal, softmax_scale, window_size, backend)
     cp_size = _cp_size(cp_group)
+    head_dim = 2 if packing is None else 1
+    if packing is None:
+        check_tensors(q, k, v)
+    else:
+        if not isinstance(packing, Packing):
+            raise ValueError(f"packing must be a Packing (Packing.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)); "
+                             f"got {type(packing).__name__}")
+        check_tensors(q, k, v, token_dims=1)
+    check_softmax_offset(softmax_offset, q, head_dim=head_dim)
+    layout = _layout(q, cp_size, packing)
+    args = attention_args(q, causal, softmax_scale, window_size, backend)
     _check_backend(backend, q.device)
-    check_ulysses_size(algorithm, cp_size, q.shape[2], ulysses_size, hcp_groups)
-    if cp_size > 1:
-        check_local_length(q.shape[0], cp_size)
-    layout = SeqLayout.dense(q.shape[0] * cp_size, cp_size)
-    qb, kb, vb = (x.transpose(0, 1) for x in (q, k, v))  # [s/cp, b, h, d] -> [b, s/cp, h, d]
-    out = _attend(qb, kb, vb, cp_group, layout, args, algorithm, ulysses_size, hcp_groups, softmax_offset)
-    return out.transpose(0, 1).contiguous()  # [b, s/cp, h_q, d_v] -> [s/cp, b, h_q, d_v]
+    check_ulysses_size(algorithm, cp_size, q.shape[head_dim], ulysses_size, hcp_groups)
+    if packing is None:  # [s/cp, b, h, d] <-> [b, s/cp, h, d]
+        blocks, unblock = (x.transpose(0, 1) for x in (q, k, v)), lambda o: o.transpose(0, 1).contiguous()
+    else:  # [t/cp, h, d] <-> [1, t/cp, h, d]
+        blocks, unblock = (x.unsqueeze(0) for x in (q, k, v)), lambda o: o.squeeze(0)
+    return unblock(_attend(*blocks, cp_group, layout, args, algorithm, ulysses_size, hcp_groups, softmax_offset))
 
 
-def cp_attention_packed(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cp_group: dist.ProcessGroup | None,
-    packing: Packing,
-    *,
-    algorithm: str,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    window_size: tuple[int, int] | None = None,
-    backend: str | None = None,
-    ulysses_size: int | None = None,
-    hcp_groups: Sequence[dist.ProcessGroup] | None = None,
-    softmax_offset: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of this rank's packed tokens, each over its own document, sharded over ``cp_group``.
+def cp_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: dist.ProcessGroup | None,
+                        packing: Packing, **kwargs) -> torch.Tensor:
+    """:func:`cp_attention` of packed documents (THD): q/k/v ``[t/cp, h, d]``, ``t = packing.padded_total``,
+    each padded document length a multiple of ``2*cp``; the same keyword arguments."""
+    return cp_attention(q, k, v, cp_group, packing=packing, **kwargs)
 
-    Layouts (Megatron's THD): q ``[t/cp, h_q, d_qk]``, k ``[t/cp, h_kv, d_qk]``, v ``[t/cp, h_kv,
-    d_v]`` -> out ``[t/cp, h_q, d_v]`` in q's dtype, with ``t = packing.padded_total``.  Each rank
-    holds its tokens in the per-document zigzag layout (:func:`.packed_sharding.shard_packed`; what
-    Megatron-Core's per-document ``get_batch_on_this_cp_rank`` produces).  ``packing``
-    (:class:`.layout.Packing`, e.g. ``Packing.from_packed_seq_params(packed_seq_params)``)
-    holds the *global* ``cu_seqlens`` / ``cu_seqlens_padded``, the same on every rank; each padded
-    document length must be a multiple of ``2*cp``.
 
-    Positions are document-relative: ``causal`` and ``window_size=(left, right)`` (flash-attn
-    convention, ``-1`` unbounded) apply inside each document.  ``algorithm``, ``softmax_scale``,
-    ``backend``, ``ulysses_size``, ``hcp_groups`` and ``softmax_offset`` as in :func:`cp_attention` (Ring Attention,
-    Liu et al. 2023; Llama 3 all-gather; DeepSpeed-Ulysses, Jacobs et al. 2023; USP, Fang & Zhao 2024).
-    Attention never crosses a document boundary; padding tokens get ``out = 0`` and zero gradients.
-    """
-    check_algorithm_name(algorithm)
-    if not isinstance(packing, Packing):
-        raise ValueError(f"packing must be a Packing (Packing.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)); "
-                         f"got {type(packing).__name__}")
-    check_tensors(q, k, v, token_dims=1)
-    check_softmax_offset(softmax_offset, q, head_dim=1)
+def _layout(q: torch.Tensor, cp_size: int, packing: Packing | None) -> SeqLayout:
+    """The tokens of all ranks as one :class:`SeqLayout` (a dense sequence is one document)."""
+    if packing is None:
+        if cp_size > 1:
+            check_local_length(q.shape[0], cp_size)
+        return SeqLayout.dense(q.shape[0] * cp_size, cp_size)
     if packing.total == 0:
         raise ValueError(f"packing holds no real token (cu_seqlens={list(packing.cu_seqlens)}); skip the call")
-    cp_size = _cp_size(cp_group)
     packing.check_cp(cp_size)
     layout = SeqLayout(packing, cp_size)
     if q.shape[0] != layout.local_len:
@@ -158,12 +125,7 @@ def cp_attention_packed(
             f"{packing.padded_total} tokens, i.e. {layout.local_len} per rank over cp={cp_size}; pass this "
             "rank's shard of the padded packed sequence (shard_packed) and the global cu_seqlens(_padded)"
         )
-    args = attention_args(q, causal, softmax_scale, window_size, backend)
-    _check_backend(backend, q.device)
-    check_ulysses_size(algorithm, cp_size, q.shape[1], ulysses_size, hcp_groups)
-    qb, kb, vb = (x.unsqueeze(0) for x in (q, k, v))  # [t/cp, h, d] -> [1, t/cp, h, d]
-    out = _attend(qb, kb, vb, cp_group, layout, args, algorithm, ulysses_size, hcp_groups, softmax_offset)
-    return out.squeeze(0)  # [1, t/cp, h_q, d_v] -> [t/cp, h_q, d_v]
+    return layout
 
 
 def _cp_size(cp_group: dist.ProcessGroup | None) -> int:

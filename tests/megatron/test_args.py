@@ -7,8 +7,8 @@ import pytest
 
 from megatron_longctx import add_longctx_args, config_from_args
 from megatron_longctx.megatron.arguments import check_after_parsing
+from megatron_longctx.attention import ALGORITHMS
 from megatron_longctx.config import (
-    CP_ALGORITHMS,
     FEATURES,
     MEGATRON_FLAGS,
     ContextParallelConfig,
@@ -63,7 +63,9 @@ def _literal_flags():
 
 def test_literal_fields_are_the_flags_with_choices():
     assert {name for name, _ in _literal_flags()} == {"cp_algorithm", "offload_policy", "offload_target"}
-    assert dict(_literal_flags())["cp_algorithm"] == CP_ALGORITHMS == ("auto", "ring", "allgather", "ulysses", "hybrid")
+    # the flag's choices are the attention's algorithms (one list) and "auto"
+    assert dict(_literal_flags())["cp_algorithm"] == ("auto", *ALGORITHMS) == ("auto", "ring", "allgather", "ulysses",
+                                                                               "hybrid")
     parser = add_longctx_args(argparse.ArgumentParser())
     for name, allowed in _literal_flags():
         assert parser._option_string_actions[flag_name(name)].choices == allowed
