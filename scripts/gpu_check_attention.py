@@ -5,7 +5,7 @@ The ring's calls come from the public pieces only: the shards of :func:`megatron
 shard_sequence` / :func:`~megatron_longctx.attention.shard_packed` (which global positions each rank
 holds) and :func:`megatron_longctx.attention.segments.schedule_blocks` over (rank ``r``'s query segments,
 rank ``r - t``'s key segments) for every offset ``t`` — what the ring runs — then
-:func:`~megatron_longctx.attention.segments.attend_segments` (+ ``_backward``).  The schedule's pair
+:func:`~megatron_longctx.attention.block_loop.attend_segments` (+ ``_backward``).  The schedule's pair
 count is checked against :func:`~megatron_longctx.attention.schedule_flops` and the exact number of
 visible pairs, so a block computed twice or skipped shows up even where the numbers would hide it.
 """
@@ -195,7 +195,8 @@ def _device_plan(held, steps, device):
 
 def _run_ring(q, k, v, plan, scale, backend, dout=None):
     """Run every rank's ring steps in turn; returns out, lse (and grads) in global order."""
-    from megatron_longctx.attention.segments import GradSum, attend_segments, attend_segments_backward, new_accumulators
+    from megatron_longctx.attention.block_loop import (GradSum, attend_segments, attend_segments_backward,
+                                                       new_accumulators)
 
     held, steps = plan
     p = len(held)

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from .args import AttentionArgs
+from .block_loop import GradSum, attend_segments, attend_segments_backward, new_accumulators
 from .comm import all_gather, pack, reduce_scatter
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .schedule import allgather_calls
-from .segments import GradSum, attend_segments, attend_segments_backward, new_accumulators
 from .sinks import add_sink, sink_grad
 
 

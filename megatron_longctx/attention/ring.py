@@ -20,9 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .args import AttentionArgs
-from .comm import RingComm, pack, unpack
-from .schedule import RingSchedule
-from .segments import (
+from .block_loop import (
     GradSum,
     attend_first,
     attend_local,
@@ -30,13 +28,19 @@ from .segments import (
     attend_segments,
     attend_segments_backward,
     attend_whole_backward,
-    split_for_overlap,
-    whole,
 )
+from .comm import RingComm, pack, unpack
+from .schedule import RingSchedule
+from .segments import split_for_overlap, whole
 from .sinks import add_sink, sink_grad
 
 
-# Local tokens up to which the ring backward splits its local block around the remote steps.
+# Local tokens up to which the ring backward splits its local block around the remote steps
+# (:func:`.segments.split_for_overlap`): a small head while the first remote K/V arrive, the rest after the
+# last remote step, while the last dK/dV travel home (at P = 2 nothing else hides that return). Longer
+# shards run the local block whole, first: the return is a small part of the step, the split would hold the
+# tail's gradients beside the messages in flight; their dK and dV go as two messages (the kernel's own
+# tensors, no flat copy beside them), and the last K/V are dropped before the dK/dV travel.
 OVERLAP_MAX_TOKENS = 1024
 
 
@@ -94,23 +98,17 @@ def ring_backward(
     schedule: RingSchedule,
     args: AttentionArgs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`ring_forward`; ``dout`` ``[b, s/P, h_q, d_v]``.  Returns dq, dk, dv in the input dtypes.
+    """Gradients of :func:`ring_forward`.
 
-    The gradient of a rank's own K/V from its own queries (step 0) stays at home.  From step 1 on,
-    the dK/dV accumulated so far for the shard held now arrive from its previous holder (posted one
-    step earlier), this rank adds its block gradients and posts the sum to the shard's next holder,
-    or home after the last step: as many dK/dV messages as K/V messages.  dK/dV travel in the
-    accumulator dtype (float32; float64 for float64 inputs).
+    Arguments:
+        dout: ``[b, s/P, h_q, d_v]``; q, k, v, out, lse: as :func:`ring_forward` saw and returned them.
+        group, schedule, args: as for :func:`ring_forward`.
+    Returns:
+        dq, dk, dv in the input dtypes.
 
-    Up to :data:`OVERLAP_MAX_TOKENS` local tokens the local block is computed in two parts
-    (:func:`.segments.split_for_overlap`): a small head while the first remote K/V arrive, the rest
-    after the last remote step, while the last dK/dV travel home (at ``P = 2`` nothing else is left to
-    hide that return behind).  Longer shards run the local block whole, first: the return is then a
-    small part of the step, and the split would hold the tail's gradients beside the messages in
-    flight; their dK and dV travel as two messages, so a block's gradients over every key are sent as
-    the kernel returned them (one flat message would be a copy beside them), and the last K/V are
-    dropped before the dK/dV travel.  Gradients are summed by :class:`.segments.GradSum`: the first
-    contribution to a row range initialises it.
+    The dK/dV of the shard held now arrive from its previous holder, get this rank's block gradients and go
+    on to its next holder (home after the last step): as many dK/dV messages as K/V messages, in the
+    accumulator dtype (float32; float64 for float64). :class:`.block_loop.GradSum` sums them.
     """
     rank = _ring_rank(group, schedule)
     if not schedule.transfers:

@@ -29,10 +29,11 @@ import torch.distributed as dist
 
 from .allgather import gather_kv, scatter_kv_grads
 from .args import AttentionArgs
+from .block_loop import GradSum, attend_first, attend_segments_backward
 from .comm import all_gather_in_place, reduce_scatter
 from .layout import SeqLayout, pooled_index
 from .schedule import allgather_calls, allgather_calls_by_rank
-from .segments import GradSum, attend_first, attend_segments_backward, restrict_rows, split_keys
+from .segments import restrict_rows, split_keys
 
 # Keys per kernel call of a query tile: its backward's dK/dV temporaries hold at most this many keys.
 KEY_BLOCK = 2048

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 from .args import AttentionArgs, kv_replication
+from .block_loop import attend_local_backward
 from .comm import all_to_all, all_to_all_rows
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .ring import RingAttention
 from .schedule import ring_schedule
-from .segments import attend_local_backward
 from .sinks import heads_of, sink_grad
 
 # The local attention's backward runs over at most this many head pieces (see :func:`head_pieces`).

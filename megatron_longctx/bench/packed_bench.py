@@ -28,7 +28,7 @@ import torch
 
 from megatron_longctx.attention.layout import Packing, SeqLayout
 from megatron_longctx.attention.schedule import ring_schedule
-from megatron_longctx.attention.segments import attend_local, attend_local_backward
+from megatron_longctx.attention.block_loop import attend_local, attend_local_backward
 from megatron_longctx.kernels import select
 from megatron_longctx.kernels.base import BlockMask
 

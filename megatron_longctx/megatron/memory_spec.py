@@ -32,6 +32,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from megatron_longctx.config import LongContextConfig, MemoryConfig
+from megatron_longctx.megatron.core_attention import NvtxRanges
+from megatron_longctx.megatron.tiled_loss import install_tiled_loss
+from megatron_longctx.megatron.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
 from megatron_longctx.memory import hooks, residual_offload
 from megatron_longctx.memory.offload import ActivationOffloader
 from megatron_longctx.memory.recompute import (
@@ -44,9 +47,6 @@ from megatron_longctx.memory.recompute import (
 )
 from megatron_longctx.memory.rmsnorm import install_lean_norms
 from megatron_longctx.memory.tiled_recompute import tile_attention_of, tiled_checkpoint
-from megatron_longctx.megatron.core_attention import NvtxRanges
-from megatron_longctx.megatron.tiled_loss import install_tiled_loss
-from megatron_longctx.megatron.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
 from megatron_longctx.patching import patch
 
 # Offload policy ``modules``: the submodule each name scopes (norm outputs are saved by their consumer,

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from megatron_longctx.attention.block_loop import GradSum, attend_segments_backward
 from megatron_longctx.attention.layout import dense_layout
 from megatron_longctx.attention.schedule import ring_schedule
-from megatron_longctx.attention.segments import GradSum, attend_segments_backward, split_for_overlap, visible_pairs
+from megatron_longctx.attention.segments import split_for_overlap, visible_pairs
 from megatron_longctx.kernels.base import BlockMask
 from tests.oracle import attention, visible
 

@@ -152,11 +152,11 @@ def test_bytes_on_the_wire_match_the_schedule():
 
 def _kernel_calls_per_ring_step():
     """Kernel calls the dense zigzag ring runs, forward and backward, counted where they are made."""
-    from megatron_longctx.attention import segments
+    from megatron_longctx.attention import block_loop
 
     p, rank = dist.get_world_size(), dist.get_rank()
     counts = {"forward": 0, "backward": 0}
-    original = segments.kernel_for
+    original = block_loop.kernel_for
 
     def counting_kernel_for(*args, **kwargs):
         kernel = original(*args, **kwargs)
@@ -172,14 +172,14 @@ def _kernel_calls_per_ring_step():
 
         return Counted()
 
-    segments.kernel_for = counting_kernel_for
+    block_loop.kernel_for = counting_kernel_for
     try:
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(2 * p * 8, 1, 2, 4, generator=gen) for _ in range(3))
         local = [shard_sequence(t, rank, p, 0).requires_grad_() for t in (q, k, v)]
         cp_attention(*local, dist.group.WORLD, algorithm="ring").sum().backward()
     finally:
-        segments.kernel_for = original
+        block_loop.kernel_for = original
     return counts
 
 
