@@ -30,21 +30,26 @@ from .zigzag import zigzag_chunks
 
 
 # Host copies of offset tensors, keyed by the tensor: Megatron passes the same cu_seqlens tensors to every
-# layer of a step, so a CUDA tensor is copied to the host (one device sync) once, not once per layer.
-_HOST: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, its version, its offsets)
+# layer of a step, so a device tensor is copied to the host (one device sync) once, not once per layer.
+_HOST: dict[int, tuple[weakref.ref, int, list[int]]] = {}  # id(tensor) -> (tensor, version, values)
 
 
-def _host_offsets(values: torch.Tensor) -> list[int]:
-    """``values.tolist()``, cached per device tensor until it is modified in place or freed."""
-    if values.device.type == "cpu":
-        return values.reshape(-1).tolist()
-    cached = _HOST.get(id(values))
-    if cached is None or cached[0]() is not values or cached[1] != values._version:
-        if len(_HOST) > 64:  # stale entries of freed tensors
-            _HOST.clear()
-        cached = (weakref.ref(values), values._version, values.reshape(-1).tolist())  # the one device -> host copy
-        _HOST[id(values)] = cached
-    return cached[2]
+def _cached(t: torch.Tensor) -> bool:
+    entry = _HOST.get(id(t))
+    return entry is not None and entry[0]() is t and entry[1] == t._version
+
+
+def host_offsets(*tensors: torch.Tensor) -> list[list[int]]:
+    """The values of 1-D integer ``tensors`` as host lists: one device-to-host transfer for those not yet
+    cached; cached on each tensor object until it is modified in place (its version changes)."""
+    todo = list({id(t): t for t in tensors if not _cached(t)}.values())
+    if todo:
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in todo]).tolist()  # one transfer
+        for t in todo:
+            if id(t) not in _HOST:
+                weakref.finalize(t, _HOST.pop, id(t), None)
+            _HOST[id(t)], flat = (weakref.ref(t), t._version, flat[: t.numel()]), flat[t.numel():]
+    return [_HOST[id(t)][2] for t in tensors]
 
 
 def _as_offsets(name: str, values) -> tuple[int, ...]:
@@ -53,7 +58,7 @@ def _as_offsets(name: str, values) -> tuple[int, ...]:
         if len(shape) != 1 or values.dtype.is_floating_point:
             raise ValueError(f"{name} must be a 1-D integer tensor of offsets; got shape {tuple(values.shape)}, "
                              f"dtype {values.dtype}")
-        values = _host_offsets(values)
+        values = host_offsets(values)[0]
     offsets = tuple(int(x) for x in values)
     if len(offsets) < 2:
         raise ValueError(f"{name}={list(offsets)} must hold at least two offsets [0, ..., total] (one document)")

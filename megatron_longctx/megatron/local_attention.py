@@ -16,10 +16,11 @@ block sees no key is worked out from the shapes.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 import torch.nn.functional as F
+
+from megatron_longctx.attention.layout import host_offsets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,27 +92,6 @@ def _empty_rows(sq: int, sk: int, args: LocalAttentionArgs) -> bool:
     first_hi = shift + right if right >= 0 else sk  # the last key row 0 may see
     last_lo = sq - 1 + shift - left if left >= 0 else -1  # the first key the last row may see
     return first_hi < 0 or last_lo > sk - 1
-
-
-_HOST: dict[int, tuple[weakref.ref, int, list[int]]] = {}  # id(tensor) -> (tensor, version, values)
-
-
-def _cached(t: torch.Tensor) -> bool:
-    entry = _HOST.get(id(t))
-    return entry is not None and entry[0]() is t and entry[1] == t._version
-
-
-def host_offsets(*tensors: torch.Tensor) -> list[list[int]]:
-    """The values of 1-D integer ``tensors`` as host lists: one device-to-host transfer for those not yet
-    cached; cached on each tensor object until it is modified in place (its version changes)."""
-    todo = list({id(t): t for t in tensors if not _cached(t)}.values())
-    if todo:
-        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in todo]).tolist()  # one transfer
-        for t in todo:
-            if id(t) not in _HOST:
-                weakref.finalize(t, _HOST.pop, id(t), None)
-            _HOST[id(t)], flat = (weakref.ref(t), t._version, flat[: t.numel()]), flat[t.numel():]
-    return [_HOST[id(t)][2] for t in tensors]
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: LocalAttentionArgs,
