@@ -33,6 +33,7 @@ import torch
 
 from megatron_longctx.config import LongContextConfig, MemoryConfig
 from megatron_longctx.megatron.core_attention import NvtxRanges
+from megatron_longctx.megatron.spec_walk import KEEP, walk_spec
 from megatron_longctx.megatron.tiled_loss import install_tiled_loss
 from megatron_longctx.megatron.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
 from megatron_longctx.memory import hooks, residual_offload
@@ -61,9 +62,9 @@ def apply_memory_to_layer_spec(layer_spec: Any, cfg: MemoryConfig) -> Any:
     """A copy of a TransformerLayer ``ModuleSpec`` with the spec-level memory features applied.
 
     Today that is the tiled MLP (``--longctx-tiled-mlp-tiles`` > 1): the dense MLP becomes
-    :class:`TiledMLP` (same parameters and ``state_dict`` keys).  Also accepts a list of layer specs or
-    a block spec (``TransformerBlockSubmodules`` with ``layer_specs``).  Everything else needs a built
-    model: see :func:`install`.
+    :class:`TiledMLP` (same parameters and ``state_dict`` keys).  Also accepts any spec tree that holds
+    layer specs (a list, a block or stack spec: :func:`.spec_walk.walk_spec`).  Everything else needs a
+    built model: see :func:`install`.
     """
     if not isinstance(cfg, MemoryConfig):
         raise ValueError(f"apply_memory_to_layer_spec: cfg must be a MemoryConfig, got {type(cfg).__name__}")
@@ -73,18 +74,14 @@ def apply_memory_to_layer_spec(layer_spec: Any, cfg: MemoryConfig) -> Any:
 
 
 def _tile_spec(spec: Any, num_tiles: int) -> Any:
-    if isinstance(spec, (list, tuple)):
-        return type(spec)(_tile_spec(s, num_tiles) for s in spec)
-    if hasattr(spec, "layer_specs"):  # TransformerBlockSubmodules
-        return dataclasses.replace(spec, layer_specs=_tile_spec(spec.layer_specs, num_tiles))
-    submodules = getattr(spec, "submodules", None)
-    if hasattr(submodules, "layer_specs"):  # a block ModuleSpec
-        return dataclasses.replace(spec, submodules=_tile_spec(submodules, num_tiles))
-    if not hasattr(submodules, "mlp"):
+    def rule(submodules: Any, name: str, entry: Any) -> Any:
+        return tiled_mlp_spec(entry, num_tiles) if name == "mlp" else KEEP  # a TransformerLayer's mlp
+
+    out, tiled = walk_spec(spec, rule)
+    if tiled == 0:
         raise ValueError(f"--longctx-tiled-mlp-tiles: no TransformerLayer spec with an mlp in {type(spec).__name__}; "
                          "pass a layer spec (e.g. get_gpt_layer_local_spec()) or set the option to 0")
-    return dataclasses.replace(spec, submodules=dataclasses.replace(
-        submodules, mlp=tiled_mlp_spec(submodules.mlp, num_tiles)))
+    return out
 
 
 @dataclasses.dataclass

@@ -13,11 +13,11 @@ submodules, e.g. DeepSeek sparse attention's indexer).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
 from megatron_longctx.config import ContextParallelConfig, LongContextConfig
+from megatron_longctx.megatron.spec_walk import KEEP, is_module_spec, walk_spec
 
 # Submodule dataclasses whose core_attention is cross-attention (kept as Megatron built it).
 _CROSS_ATTENTION_SUBMODULES = ("CrossAttentionSubmodules",)
@@ -28,79 +28,27 @@ def _resolve(spec_or_class: Any) -> Any:
     while True:
         if isinstance(spec_or_class, functools.partial):
             spec_or_class = spec_or_class.func
-        elif _is_module_spec(spec_or_class):
+        elif is_module_spec(spec_or_class):
             spec_or_class = spec_or_class.module
         else:
             return spec_or_class
 
 
-def _is_module_spec(obj: Any) -> bool:
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    return isinstance(obj, ModuleSpec)
-
-
 def _is_dense_core_attention(entry: Any) -> bool:
     """True for softmax attention that our module can stand in for."""
-    if _is_module_spec(entry) and entry.submodules is not None:
+    if is_module_spec(entry) and entry.submodules is not None:
         return False  # a variant with its own submodules (sparse attention indexer, ...)
     return True
 
 
-class _Transform:
-    """One structural copy of a spec tree with the core_attention entries replaced."""
+def _self_attention_rule(replacement: Any):
+    def rule(submodules: Any, name: str, entry: Any) -> Any:
+        if (name == "core_attention" and type(submodules).__name__ not in _CROSS_ATTENTION_SUBMODULES
+                and _is_dense_core_attention(entry)):
+            return replacement
+        return KEEP
 
-    def __init__(self, replacement: Any) -> None:
-        self.replacement = replacement
-        self.replaced = 0
-        self.memo: dict[int, Any] = {}
-
-    def __call__(self, obj: Any) -> Any:
-        if id(obj) in self.memo:
-            return self.memo[id(obj)]
-        out = self._copy(obj)
-        self.memo[id(obj)] = out
-        return out
-
-    def _copy(self, obj: Any) -> Any:
-        if isinstance(obj, (list, tuple)) and not _is_namedtuple(obj):
-            return type(obj)(self(x) for x in obj)
-        if isinstance(obj, dict):
-            return {k: self(v) for k, v in obj.items()}
-        if isinstance(obj, functools.partial):
-            return functools.partial(obj.func, *(self(a) for a in obj.args),
-                                     **{k: self(v) for k, v in obj.keywords.items()})
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return self._copy_dataclass(obj)
-        return obj  # classes, functions, enums, TE placeholders, scalars: shared
-
-    def _copy_dataclass(self, obj: Any) -> Any:
-        if _is_module_spec(obj):
-            # params are constructor arguments (plain values): copied shallowly, never walked
-            changes = {"params": dict(obj.params), "submodules": self(obj.submodules)}
-            if isinstance(getattr(obj, "metainfo", None), dict):
-                changes["metainfo"] = dict(obj.metainfo)
-            return dataclasses.replace(obj, **changes)
-        changes = {}
-        for f in dataclasses.fields(obj):
-            if not f.init:
-                continue
-            value = getattr(obj, f.name)
-            if f.name == "core_attention" and self._replaceable(obj, value):
-                changes[f.name] = self.replacement
-                self.replaced += 1
-            else:
-                changes[f.name] = self(value)
-        return dataclasses.replace(obj, **changes)
-
-    def _replaceable(self, submodules: Any, entry: Any) -> bool:
-        if type(submodules).__name__ in _CROSS_ATTENTION_SUBMODULES:
-            return False
-        return _is_dense_core_attention(entry)
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+    return rule
 
 
 def core_attention_spec(cp_config: ContextParallelConfig | None = None) -> Any:
@@ -137,9 +85,8 @@ def apply_to_spec(spec: Any, *, config: LongContextConfig | None = None, **optio
 
 def transform_spec(spec: Any, cfg: LongContextConfig, require: bool = True) -> Any:
     """:func:`apply_to_spec` with a ready config; ``require=False`` passes a spec without attention through."""
-    transform = _Transform(core_attention_spec(cfg.cp))
-    out = transform(spec)
-    if transform.replaced == 0 and require:
+    out, replaced = walk_spec(spec, _self_attention_rule(core_attention_spec(cfg.cp)))
+    if replaced == 0 and require:
         raise ValueError(f"apply_to_spec found no self-attention core_attention in {type(spec).__name__}; pass a "
                          "Megatron layer spec (e.g. get_gpt_layer_local_spec()), block spec or stack spec")
     if cfg.memory.any_enabled:
@@ -176,27 +123,9 @@ def count_context_parallel_attention(spec: Any) -> int:
     """How many ``core_attention`` entries of ``spec`` are ContextParallelAttention (for checks and tests)."""
     from megatron_longctx.megatron.core_attention import ContextParallelAttention
 
-    seen: set[int] = set()
+    def rule(submodules: Any, name: str, entry: Any) -> Any:
+        return entry if name == "core_attention" and _resolve(entry) is ContextParallelAttention else KEEP
 
-    def walk(obj: Any) -> int:
-        if id(obj) in seen:
-            return 0
-        seen.add(id(obj))
-        if isinstance(obj, (list, tuple)):
-            return sum(walk(x) for x in obj)
-        if isinstance(obj, functools.partial):
-            return walk(list(obj.args)) + walk(list(obj.keywords.values()))
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            n = 0
-            for f in dataclasses.fields(obj):
-                value = getattr(obj, f.name, None)
-                if f.name == "core_attention" and _resolve(value) is ContextParallelAttention:
-                    n += 1
-                elif f.name != "params":
-                    n += walk(value)
-            return n
-        return 0
-
-    return walk(spec)
+    return walk_spec(spec, rule)[1]
 
 
