@@ -46,7 +46,8 @@ from megatron_longctx.config import MemoryConfig
 from megatron_longctx.kernels.cuda_presence import unusable_gpu_reason
 from megatron_longctx.memory import hooks, streams
 from megatron_longctx.memory.host_pool import HostPool
-from megatron_longctx.memory.offload_disk import RunDir, default_root, read_file, remove_file, write_file
+from megatron_longctx.memory.offload_disk import RunDir, default_root
+from megatron_longctx.memory.offload_store import Resources, SavedView, Stored
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -67,158 +68,6 @@ class OffloadStats:
     waited_copies: int = 0  # copies the offloader waited for because offload_max_inflight were pending
     param_refreshes: int = 0  # parameter address sets read (first use and after parameters moved)
     residual_grad_bytes: int = 0  # streamed residual-gradient rows moved, both ways (:mod:`.residual_offload`)
-
-
-class _Stored:
-    """One storage's bytes off the device: where they are and how to bring them back."""
-
-    def __init__(self, offloader: "ActivationOffloader", src: torch.Tensor, group: tuple) -> None:
-        self.device, self.nbytes, self.group = src.device, src.numel(), group
-        self.on_device = offloader.ops.is_device(src)
-        self._off = offloader
-        self._host: Optional[torch.Tensor] = None  # pool buffer (host target)
-        self._path: Optional[str] = None
-        self._write: Optional[cf.Future] = None
-        self._read: Optional[cf.Future] = None
-        self._copied: Any = None  # event of the device-to-host copy
-        self._fetched: Any = None  # event of the host-to-device copy
-        self._restored: Optional[torch.Tensor] = None
-        self._ahead: Optional[tuple] = None  # ((start, nbytes), buffer, event): the next row range, prefetched
-
-    # -- forward: ``src`` is not kept; the caller drops the last reference the offloader has ------------
-    def start_to_host(self, src: torch.Tensor, host: torch.Tensor) -> None:
-        self._host = host
-        self._copied = self._off.copy_to_host(host, src)
-
-    def start_to_disk(self, src: torch.Tensor, path: str, staging: Optional[torch.Tensor]) -> None:
-        self._path = path
-        if self.on_device:  # staged through a pinned buffer; the worker waits for the copy, then writes
-            assert staging is not None
-            event = self._copied = self._off.copy_to_host(staging, src)
-            self._write = self._off.submit_io(_write_staged, self._off, event, staging, path)
-        else:  # a CPU process: the worker writes the tensor itself and then lets it go
-            self._write = self._off.submit_io(write_file, src, path)
-
-    host_from_pool = property(lambda self: self._host is not None)
-    host_buffer = property(lambda self: self._host)
-    path = property(lambda self: self._path)
-    write = property(lambda self: self._write)
-
-    # -- backward --------------------------------------------------------------------------------
-    def prefetch(self) -> None:
-        if self._restored is not None or self._read is not None or self._fetched is not None:
-            return
-        if self._path is not None:
-            self._read = self._off.submit_io(_read_after, self._write, self._path, self.nbytes)
-            return
-        assert self._host is not None and self.on_device
-        self._restored, self._fetched = self._from_host(self._host)
-
-    def _from_host(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """``host`` bytes (of the pool buffer) copied to a compute-stream buffer on the side stream: (buffer,
-        event of the copy).  A later forward's copy into the same pool buffer, also on the side stream,
-        cannot overtake it."""
-        ops, side = self._off.ops, self._off.side_stream(self.device)
-        compute = ops.current(self.device)
-        buf = ops.empty(host.numel(), self.device)  # [nbytes] uint8, a compute-stream allocation
-        ops.wait_stream(side, compute)  # the block may have just been freed by compute-stream work
-        with ops.use(side):
-            if self._copied is not None:
-                ops.wait_event(side, self._copied)
-            ops.copy(buf, host)
-            fetched = ops.record_event(side)
-        ops.record_stream(buf, side)
-        return buf, fetched
-
-    def get_range(self, start: int, nbytes: int, ahead: Optional[tuple] = None) -> torch.Tensor:
-        """Bytes ``[start, start + nbytes)`` of the storage back on its device, ``[nbytes]`` uint8, alone.
-
-        ``ahead``: ``(start, nbytes)`` of the range the caller reads next; its copy is started now, into a
-        second buffer, so it runs while the caller computes on this one."""
-        if self._restored is not None or self._read is not None or self._fetched is not None:
-            return self.get()[start:start + nbytes]  # already coming back whole
-        if self._path is not None and not self.on_device:
-            return _read_after(self._write, self._path, nbytes, start)  # [nbytes] uint8 host
-        got, self._ahead = self._ahead, None
-        buf, event = got[1:] if got is not None and got[0] == (start, nbytes) else self._range_to_device(start, nbytes)
-        if ahead is not None:
-            self._ahead = (tuple(ahead), *self._range_to_device(*ahead))
-        return self._off.rows_ready(buf, event)
-
-    def _range_to_device(self, start: int, nbytes: int) -> tuple[torch.Tensor, Any]:
-        """A row range's copy to the device started on the side stream: (side-stream buffer, event)."""
-        if self._path is None:
-            assert self._host is not None and self.on_device
-            return self._off.rows_to_device(self._host[start:start + nbytes], self.device, self._copied)
-        # staged through pinned memory (torch's cached host blocks: one is not reused before its copy has run)
-        staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._off.pool.pin)
-        return self._off.rows_to_device(_read_after(self._write, self._path, nbytes, start, staging), self.device)
-
-    def get(self) -> torch.Tensor:
-        """The storage's bytes back on their device, ``[nbytes]`` uint8."""
-        self.prefetch()
-        ops = self._off.ops
-        if self._read is not None:
-            data = self._read.result()  # [nbytes] uint8 host
-            self._read = None
-            if self.on_device:
-                buf = ops.empty(self.nbytes, self.device)
-                ops.copy(buf, data)  # on the compute stream
-                data = buf
-            self._restored = data
-        if self._fetched is not None:
-            ops.wait_event(ops.current(self.device), self._fetched)
-            self._fetched = None
-        assert self._restored is not None
-        return self._restored
-
-
-@dataclasses.dataclass
-class _Resources:
-    """What must be handed back when the last saved view of a storage is gone."""
-
-    pool: Optional[HostPool] = None
-    host: Optional[torch.Tensor] = None
-    path: Optional[str] = None
-    write: Optional[cf.Future] = None
-
-    def release(self) -> None:
-        if self.pool is not None and self.host is not None:
-            self.pool.give(self.host)  # later users of a pool buffer are ordered on the same side stream
-        self.host = None
-        if self.path is not None:
-            path, write = self.path, self.write
-            self.path = None
-            if write is None or write.done():
-                remove_file(path)
-            else:  # never block a finalizer on I/O
-                write.add_done_callback(lambda _: remove_file(path))
-
-
-def _write_staged(off: "ActivationOffloader", event: Any, staging: torch.Tensor, path: str) -> None:
-    try:
-        off.ops.sync_event(event)  # the device-to-host copy into ``staging`` has landed
-        write_file(staging, path)
-    finally:
-        off.pool.give(staging)
-
-
-def _read_after(write: Optional[cf.Future], path: str, nbytes: int, offset: int = 0,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if write is not None:
-        write.result()  # re-raises a failed write (DiskOffloadError)
-    return read_file(path, nbytes, offset, out)
-
-
-@dataclasses.dataclass(frozen=True)
-class _View:
-    """How to rebuild the saved tensor from its storage's bytes."""
-
-    stored: _Stored
-    dtype: torch.dtype
-    size: tuple
-    stride: tuple
-    offset: int  # in elements of ``dtype``
 
 
 ParamSource = Union[Iterable[torch.Tensor], Callable[[], Iterable[torch.Tensor]]]
@@ -317,7 +166,7 @@ class ActivationOffloader:
         return True  # checkpoint: the wiring opens layer scopes only around checkpointed layers
 
     # -- packer protocol -------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor, prefetchable: bool = True) -> Optional[_View]:
+    def pack(self, t: torch.Tensor, prefetchable: bool = True) -> Optional[SavedView]:
         if not self._wanted(t):
             return None
         if self.cfg.offload_target == "host" and not self.ops.is_device(t):
@@ -343,18 +192,18 @@ class ActivationOffloader:
         else:
             self.stats.deduplicated_bytes += t.numel() * t.element_size()
             offset, stride = t.storage_offset(), tuple(t.stride())
-        return _View(stored, t.dtype, tuple(t.shape), stride, offset)
+        return SavedView(stored, t.dtype, tuple(t.shape), stride, offset)
 
-    def pack_rows(self, t: torch.Tensor) -> Optional[_View]:
+    def pack_rows(self, t: torch.Tensor) -> Optional[SavedView]:
         """:meth:`pack` for a tensor read back a row range at a time (:meth:`unpack_rows`): contiguous,
         and never prefetched whole (a neighbour layer's unpack would bring it back all at once)."""
         if not t.is_contiguous() or t.dim() == 0:  # contiguous: row i is elements [i·row, (i+1)·row) from its offset
             return None
         return self.pack(t, prefetchable=False)
 
-    def unpack_rows(self, view: _View, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
+    def unpack_rows(self, view: SavedView, lo: int, hi: int, ahead: Optional[tuple] = None) -> torch.Tensor:
         """Rows ``[lo, hi)`` of the tensor :meth:`pack_rows` packed, read back alone; ``ahead``: the rows
-        ``(lo, hi)`` read next, whose copy starts now (:meth:`_Stored.get_range`)."""
+        ``(lo, hi)`` read next, whose copy starts now (:meth:`Stored.get_range`)."""
         row = math.prod(view.size[1:])
         esize = torch.empty(0, dtype=view.dtype).element_size()
 
@@ -367,7 +216,7 @@ class ActivationOffloader:
         self.stats.row_fetches += 1
         return data.view(view.dtype).view(hi - lo, *view.size[1:])
 
-    def wait_stored(self, view: _View) -> None:
+    def wait_stored(self, view: SavedView) -> None:
         """Return once the bytes :meth:`pack` took are off the tensor's memory (the copy or the file write
         has read them), so that memory may be overwritten; a failed write raises here."""
         stored = view.stored
@@ -376,7 +225,7 @@ class ActivationOffloader:
         elif stored.write is not None:  # a CPU tensor the I/O worker writes to its file
             stored.write.result()
 
-    def unpack(self, view: _View) -> torch.Tensor:
+    def unpack(self, view: SavedView) -> torch.Tensor:
         stored = view.stored
         if self.cfg.offload_prefetch:
             self._prefetch_group(stored.group)
@@ -389,7 +238,7 @@ class ActivationOffloader:
         return torch.as_strided(flat, view.size, view.stride, view.offset)
 
     # -- internals -------------------------------------------------------------------------------
-    def _shared_storage(self, t: torch.Tensor, storage: Any) -> Optional[_Stored]:
+    def _shared_storage(self, t: torch.Tensor, storage: Any) -> Optional[Stored]:
         entry = self._shared.get(storage.data_ptr())
         if entry is None:
             return None
@@ -403,11 +252,11 @@ class ActivationOffloader:
             return None
         return stored
 
-    def _offload(self, src: torch.Tensor, prefetchable: bool = True) -> Optional[_Stored]:
+    def _offload(self, src: torch.Tensor, prefetchable: bool = True) -> Optional[Stored]:
         """Start moving ``src`` ([n] uint8) off the device; None when the host pool is full."""
         group = (self._microbatch, hooks.current_layer())
         nbytes = src.numel()
-        stored = _Stored(self, src, group)
+        stored = Stored(self, src, group)
         staged = self.cfg.offload_target == "host" or stored.on_device
         host = self.pool.take(nbytes) if staged else None
         if staged and host is None:
@@ -420,7 +269,7 @@ class ActivationOffloader:
             self._counter += 1
             path = os.path.join(self._run_dir.path, f"mb{group[0]}-l{group[1]}-{self._counter}.bin")
             stored.start_to_disk(src, path, host)
-        weakref.finalize(stored, _Resources.release, _Resources(
+        weakref.finalize(stored, Resources.release, Resources(
             self.pool if stored.host_from_pool else None, stored.host_buffer, stored.path, stored.write))
         if prefetchable:
             self._groups.setdefault(group, []).append(weakref.ref(stored))

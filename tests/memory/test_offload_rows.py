@@ -123,11 +123,11 @@ def test_host_rows_come_back_on_the_side_stream_one_tile_ahead():
 
 
 def test_disk_rows_are_staged_and_come_back_on_the_side_stream_one_tile_ahead(tmp_path, monkeypatch):
-    from megatron_longctx.memory import offload
+    from megatron_longctx.memory import offload_store
 
     staged = []
-    read = offload.read_file
-    monkeypatch.setattr(offload, "read_file", lambda *a: staged.append(a[3] is not None) or read(*a))
+    read = offload_store.read_file
+    monkeypatch.setattr(offload_store, "read_file", lambda *a: staged.append(a[3] is not None) or read(*a))
     ops = RecordingOps()
     off = ActivationOffloader(MemoryConfig(**CKPT, offload_target="disk", offload_min_bytes=0,
                                            offload_disk_dir=str(tmp_path)), ops=ops)
