@@ -4,7 +4,8 @@ Three things change on the model config, nothing else:
 
 1. ``transformer_layer_spec`` becomes a :class:`~megatron_longctx.bridge.spec.LongContextLayerSpec`
    around the recipe's own spec (our attention in every self-attention ``core_attention``, the tiled
-   MLP when asked);
+   MLP when asked); a hybrid model's ``hybrid_stack_spec`` (a ``ModuleSpec`` the builder takes as it is)
+   becomes the transformed copy of the recipe's stack spec;
 2. Megatron's recompute moves into the plugin where Megatron's own cannot serve the memory features
    (the launcher's rule, :func:`megatron_longctx.megatron.arguments.plugin_recompute`): the model config's
    ``recompute_*`` are then cleared and the plugin's typed config holds them;
@@ -41,26 +42,55 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
     the fix when the model config cannot run our attention or the memory features.
     """
     model = getattr(cfg, "model", cfg)
-    if not hasattr(model, "transformer_layer_spec"):
-        raise ValueError(f"{PREFIX}.configure: {type(model).__name__} has no transformer_layer_spec; pass a "
-                         "ConfigContainer whose model is a GPT model provider / GPTModelConfig")
+    hybrid = not hasattr(model, "transformer_layer_spec") and hasattr(model, "hybrid_stack_spec")
+    if not hybrid and not hasattr(model, "transformer_layer_spec"):
+        raise ValueError(f"{PREFIX}.configure: {type(model).__name__} has neither transformer_layer_spec nor "
+                         "hybrid_stack_spec; pass a ConfigContainer whose model is a GPT or hybrid model provider "
+                         "(GPTModelConfig / HybridModelConfig)")
     options = _with_plugin_recompute(model, longctx_options)
     moved = any(name in options and name not in longctx_options for name in MEGATRON_FLAGS)
-    spec = LongContextLayerSpec(base=model.transformer_layer_spec, options=options)
-    longctx = _config(spec)
+    if hybrid:
+        options = {**_existing_options(model), **options}
+        longctx = _config(LongContextLayerSpec(options=options))
+    else:
+        spec = LongContextLayerSpec(base=model.transformer_layer_spec, options=options)
+        longctx, options = _config(spec), spec.options
     check_model_config(model, longctx, recompute_moved=moved)
+    if hybrid:
+        stack = _hybrid_stack_spec(model, longctx)  # before anything changes: a refusal leaves the config as it was
     if moved:
         for name, value in _MEGATRON_RECOMPUTE.items():
             setattr(model, name, value)
-    model.transformer_layer_spec = spec
-    allow_in_run_config()  # this run writes it to run_config.yaml; a resume calls configure again
-    _register_pre_wrap_hook(model, LongContextModelHook(options=spec.options))
+    if hybrid:
+        model.hybrid_stack_spec = stack
+    else:
+        model.transformer_layer_spec = spec
+        allow_in_run_config()  # this run writes it to run_config.yaml; a resume calls configure again
+    _register_pre_wrap_hook(model, LongContextModelHook(options=options))
     return cfg
 
 
+def _hybrid_stack_spec(model: Any, longctx: LongContextConfig) -> Any:
+    """The hybrid model's stack spec (the recipe's, else megatron-core's default) with our attention."""
+    from megatron_longctx.megatron.spec import transform_spec
+
+    base = model.hybrid_stack_spec
+    if base is None:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as base
+    try:
+        return transform_spec(base, longctx, require=True)
+    except ValueError as err:
+        raise ValueError(f"{PREFIX}: model.hybrid_stack_spec: {err}") from None
+
+
 def _existing_options(model: Any) -> dict[str, Any]:
+    """The options of an earlier configure (a config loaded back from run_config.yaml keeps them)."""
     spec = getattr(model, "transformer_layer_spec", None)
-    return dict(spec.options) if isinstance(spec, LongContextLayerSpec) else {}
+    if isinstance(spec, LongContextLayerSpec):
+        return dict(spec.options)
+    hooks = getattr(model, "pre_wrap_hooks", None)
+    hooks = hooks if isinstance(hooks, list) else getattr(model, "_pre_wrap_hooks", [])
+    return next((dict(h.options) for h in hooks if isinstance(h, LongContextModelHook)), {})
 
 
 def _with_plugin_recompute(model: Any, options: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import torch
 
 from megatron_longctx.config import LongContextConfig, MemoryConfig
 from megatron_longctx.megatron.core_attention import NvtxRanges
-from megatron_longctx.megatron.spec_walk import KEEP, walk_spec
+from megatron_longctx.megatron.spec_walk import KEEP, built_class, walk_spec
 from megatron_longctx.megatron.tiled_loss import install_tiled_loss
 from megatron_longctx.megatron.tiled_mlp import tile_mlp_forward, tiled_mlp_spec, tiled_mlp_type
 from megatron_longctx.memory import hooks, residual_offload
@@ -73,14 +73,21 @@ def apply_memory_to_layer_spec(layer_spec: Any, cfg: MemoryConfig) -> Any:
     return _tile_spec(layer_spec, cfg.tiled_mlp_tiles)
 
 
+_UNTILED_MLPS = ("IdentityOp", "MoELayer")
+
+
 def _tile_spec(spec: Any, num_tiles: int) -> Any:
     def rule(submodules: Any, name: str, entry: Any) -> Any:
-        return tiled_mlp_spec(entry, num_tiles) if name == "mlp" else KEEP  # a TransformerLayer's mlp
+        # a layer's mlp; an attention-only layer has none (IdentityOp), MoE layers route over the whole sequence
+        if name != "mlp" or getattr(built_class(entry), "__name__", "") in _UNTILED_MLPS:
+            return KEEP
+        return tiled_mlp_spec(entry, num_tiles)
 
     out, tiled = walk_spec(spec, rule)
     if tiled == 0:
-        raise ValueError(f"--longctx-tiled-mlp-tiles: no TransformerLayer spec with an mlp in {type(spec).__name__}; "
-                         "pass a layer spec (e.g. get_gpt_layer_local_spec()) or set the option to 0")
+        raise ValueError(f"--longctx-tiled-mlp-tiles: no TransformerLayer spec with a dense mlp in "
+                         f"{type(spec).__name__}; pass a layer spec (e.g. get_gpt_layer_local_spec()) or set the "
+                         "option to 0")
     return out
 
 

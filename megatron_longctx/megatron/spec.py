@@ -17,21 +17,10 @@ import functools
 from typing import Any, Callable
 
 from megatron_longctx.config import ContextParallelConfig, LongContextConfig
-from megatron_longctx.megatron.spec_walk import KEEP, is_module_spec, walk_spec
+from megatron_longctx.megatron.spec_walk import KEEP, built_class, is_module_spec, walk_spec
 
 # Submodule dataclasses whose core_attention is cross-attention (kept as Megatron built it).
 _CROSS_ATTENTION_SUBMODULES = ("CrossAttentionSubmodules",)
-
-
-def _resolve(spec_or_class: Any) -> Any:
-    """The class a ``core_attention`` entry builds (ModuleSpec / partial / class / TE placeholder)."""
-    while True:
-        if isinstance(spec_or_class, functools.partial):
-            spec_or_class = spec_or_class.func
-        elif is_module_spec(spec_or_class):
-            spec_or_class = spec_or_class.module
-        else:
-            return spec_or_class
 
 
 def _is_dense_core_attention(entry: Any) -> bool:
@@ -124,7 +113,7 @@ def count_context_parallel_attention(spec: Any) -> int:
     from megatron_longctx.megatron.core_attention import ContextParallelAttention
 
     def rule(submodules: Any, name: str, entry: Any) -> Any:
-        return entry if name == "core_attention" and _resolve(entry) is ContextParallelAttention else KEEP
+        return entry if name == "core_attention" and built_class(entry) is ContextParallelAttention else KEEP
 
     return walk_spec(spec, rule)[1]
 

@@ -23,6 +23,17 @@ def is_module_spec(obj: Any) -> bool:
     return isinstance(obj, ModuleSpec)
 
 
+def built_class(entry: Any) -> Any:
+    """The class a submodule entry builds (ModuleSpec / partial / class / TE placeholder)."""
+    while True:
+        if isinstance(entry, functools.partial):
+            entry = getattr(entry.func, "__self__", entry.func)  # a classmethod builder: its class
+        elif is_module_spec(entry):
+            entry = entry.module
+        else:
+            return entry
+
+
 class _Walk:
     def __init__(self, rule: Rule) -> None:
         self.rule = rule

@@ -116,3 +116,29 @@ def test_built_model_holds_our_attention_and_the_hook_catches_the_in_place_overw
     for got in run_ranks(WORLD, _build_through_builder, "local", 1):  # CP=2 asserts in the build
         assert len(got) == 1 and "runs DotProductAttention as core_attention" in got[0]
         assert "model.attention_backend" in got[0]
+
+
+def test_hybrid_stack_spec_gets_our_attention_and_keeps_the_options():
+    """A hybrid model (megatron-core's HybridModelConfig, Bridge's HybridModelProvider field): its
+    ``hybrid_stack_spec`` becomes a copy with our attention in every dense attention layer."""
+    hybrid = pytest.importorskip("megatron.training.models.hybrid", reason="needs megatron.training (megatron-core >= 0.19)")
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_longctx.megatron.spec import count_context_parallel_attention
+
+    model_config = hybrid.HybridModelConfig(transformer=tiny_config(), vocab_size=VOCAB, seq_length=SEQ,
+                                            hybrid_layer_pattern="*-*-")
+    configure(model_config, cp_algorithm="allgather", tiled_loss_tiles=2)
+    got = model_config.hybrid_stack_spec
+    assert count_context_parallel_attention(hybrid_stack_spec) == 0
+    assert count_context_parallel_attention(got) == 2  # the attention and MLA layers (DSA has its own indexer)
+    attention = got.submodules.attention_layer.submodules.self_attention.submodules.core_attention
+    assert attention.params["cp_config"].cp_algorithm == "allgather"
+    configure(model_config, tiled_mlp_tiles=2)  # again: the options add up, one hook
+    assert [h.options for h in model_config.pre_wrap_hooks] == [{"cp_algorithm": "allgather", "tiled_loss_tiles": 2,
+                                                                 "tiled_mlp_tiles": 2}]
+    assert count_context_parallel_attention(model_config.hybrid_stack_spec) == 2
+    model_config.attention_backend = AttnBackend.local
+    with pytest.raises(ValueError, match=r"model\.attention_backend='local'"):
+        configure(model_config)
