@@ -48,13 +48,14 @@ class Patch:
         self.undo()
 
 
-def patch(owner: Any, name: str, replacement: Any, reason: str) -> Patch:
+def patch(owner: Any, name: str, replacement: Any, reason: str, create: bool = False) -> Patch:
     """Set ``owner.name = replacement`` (on the instance, class or module itself) and return the
-    :class:`Patch` that undoes it; usable as a context manager for a patch that lasts one call."""
+    :class:`Patch` that undoes it; usable as a context manager for a patch that lasts one call.
+    ``create``: the attribute may be missing (the undo then removes it)."""
     if not reason:
         raise ValueError(f"patch({type(owner).__name__}.{name}): give the reason")
     before = vars(owner).get(name, _MISSING)
-    if before is _MISSING and not hasattr(owner, name):
+    if before is _MISSING and not create and not hasattr(owner, name):
         raise AttributeError(f"patch: {type(owner).__name__} has no attribute {name!r} to replace")
     setattr(owner, name, replacement)
     done = Patch(owner, name, replacement, reason, before)

@@ -67,11 +67,11 @@ from megatron_longctx.megatron.script_setup import (
     megatron_default_args,
     skip_built_helpers,
 )
+from megatron_longctx.patching import Patch, patch
 
 _lock = threading.Lock()
 _depth = 0
-_saved: list[tuple[Any, str, Any]] = []
-_INHERITED = object()  # marks a class attribute that was inherited, not set on the class itself
+_saved: list[Patch] = []
 
 
 def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -366,9 +366,7 @@ def enable() -> None:
         if _depth > 1:
             return
         for owner, name, replacement in _patches():
-            own = isinstance(owner, types.ModuleType) or name in vars(owner)
-            _saved.append((owner, name, getattr(owner, name) if own else _INHERITED))
-            setattr(owner, name, replacement)
+            _saved.append(patch(owner, name, replacement, "cpu_compat: Megatron on a CPU process", create=True))
         logging.getLogger(_RNG_LOGGER).addFilter(_filter)
 
 
@@ -386,11 +384,7 @@ def disable() -> None:
             return
         logging.getLogger(_RNG_LOGGER).removeFilter(_filter)
         while _saved:
-            owner, name, original = _saved.pop()
-            if original is _INHERITED:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
+            _saved.pop().undo()
 
 
 # Megatron-LM flags a CPU process needs, each (flag tokens, why).  The flag's destination is read off

@@ -1,7 +1,8 @@
 """Megatron-Bridge's own ``pretrain()`` with megatron-longctx, on 2 gloo CPU ranks: the ``vanilla_gpt`` recipe
 at tiny size, 3 steps; context parallelism (ring = Bridge's p2p, allgather, ulysses = a2a) gives the losses of
-CP=1 (data parallel over the same global batch), and so do the memory features.  Runs where
-``megatron.bridge`` imports (``make test-bridge``); skips elsewhere."""
+CP=1 (data parallel over the same global batch), and so do the memory features; a run saved and resumed from
+its checkpoint's ``run_config.yaml`` continues bit for bit.  Runs where ``megatron.bridge`` imports
+(``make test-bridge``); skips elsewhere."""
 
 from __future__ import annotations
 
@@ -50,8 +51,13 @@ def tiny_recipe(cp: int):
     return cfg
 
 
-def _train(cp: int, **longctx) -> list[float]:
-    """Rank body: Bridge's pretrain() of the tiny recipe; the global loss of each step (mean over its tokens)."""
+def _train(cp: int, steps: int = STEPS, save_at: int | None = None, save: str | None = None, resume: str | None = None,
+           **longctx) -> list[float]:
+    """Rank body: Bridge's pretrain() of the tiny recipe; the global loss of each step (mean over its tokens).
+
+    ``save_at``: stop after that step and save to ``save`` (Bridge's ``train.exit_interval``; the run is otherwise
+    the ``steps`` run: the same schedule and data).  ``resume``: a checkpoint directory whose
+    last iteration's ``run_config.yaml`` gives the layer spec (our spec object and options), trained on to ``steps``."""
     import_bridge()
     import torch
     import torch.distributed as dist
@@ -75,13 +81,41 @@ def _train(cp: int, **longctx) -> list[float]:
 
         return output, recorded
 
-    cfg = configure(tiny_recipe(cp), **longctx)
+    cfg = tiny_recipe(cp)
+    if resume is not None:  # the recipe again, with the spec object (and our options) from run_config.yaml
+        cfg.model.transformer_layer_spec = _saved_layer_spec(resume)
+        cfg.checkpoint.load = resume
+    cfg.train.train_iters, cfg.train.exit_interval = steps, save_at
+    cfg.checkpoint.save = save
+    cfg = configure(cfg, **longctx)
     with cpu_compat.enabled():
-        pretrain(cfg, forward_step)
+        try:
+            pretrain(cfg, forward_step)
+        except SystemExit as stop:  # Bridge ends a run at its exit_interval with sys.exit(0)
+            if save_at is None or stop.code not in (0, None):
+                raise
     parallel_state.destroy_model_parallel()
-    per_step = torch.stack(sums).view(STEPS, -1, 2).sum(1)
+    micro_batches = GLOBAL_BATCH // (MICRO_BATCH * (dist.get_world_size() // cp))  # per step on this rank
+    per_step = torch.stack(sums).view(len(sums) // micro_batches, micro_batches, 2).sum(1)
     dist.all_reduce(per_step)
     return [float(s / n) for s, n in per_step]
+
+
+def _saved_layer_spec(checkpoint_dir: str):
+    """The model's ``transformer_layer_spec`` as Bridge wrote it beside the checkpoint's last iteration, loaded
+    back with Megatron's own loader (the rest of that file holds runtime objects, the mock tokenizer, that
+    Bridge itself does not load back)."""
+    import_bridge()  # Bridge's import lets its own targets (the recipe's layer spec) load
+    from megatron.training.config.instantiate_utils import instantiate
+    from omegaconf import OmegaConf
+
+    from megatron_longctx.bridge.spec import allow_in_run_config
+
+    with open(os.path.join(checkpoint_dir, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read().strip())
+    saved = OmegaConf.load(os.path.join(checkpoint_dir, f"iter_{iteration:07d}", "run_config.yaml"))
+    allow_in_run_config()  # a fresh process: configure() has not run yet
+    return instantiate(OmegaConf.to_container(saved.model.transformer_layer_spec, resolve=True))
 
 
 def _log(run: str, losses: list[float]) -> None:
@@ -113,3 +147,20 @@ def test_memory_features_keep_the_losses(cp1_losses):
                               tiled_loss_tiles=2)
     _log("bridge vanilla_gpt CP=2 ring + layer offload, tiled MLP, tiled loss", first)
     assert first == second == pytest.approx(cp1_losses, rel=1e-5)
+
+
+def test_save_and_resume_from_run_config_continue_bit_for_bit(tmp_path):
+    """4 steps straight, against 2 steps saved and 2 more resumed from the checkpoint's run_config.yaml (CP=2
+    ring with the tiled MLP and loss: the spec object and its options come back from the YAML)."""
+    options = {"cp_algorithm": "ring", "tiled_mlp_tiles": 2, "tiled_loss_tiles": 2}
+    straight, _ = run_ranks(2, _train, 2, 4, **options)
+    first, _ = run_ranks(2, _train, 2, 4, save_at=2, save=str(tmp_path), **options)
+    resumed, again = run_ranks(2, _train, 2, 4, resume=str(tmp_path))
+    _log("bridge vanilla_gpt CP=2 ring, tiled MLP and loss: 4 steps straight", straight)
+    _log("bridge vanilla_gpt CP=2 ring, tiled MLP and loss: 2 steps, saved, resumed for 2", first + resumed)
+    assert first == straight[:2]
+    assert resumed == again == straight[2:]  # bit for bit
+    from megatron_longctx.bridge import LongContextLayerSpec
+
+    spec = _saved_layer_spec(str(tmp_path))  # what the resumed run built its layers from
+    assert isinstance(spec, LongContextLayerSpec) and spec.options == options
