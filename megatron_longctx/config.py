@@ -225,7 +225,7 @@ class MemoryConfig:
                           "nothing may keep intermediate hidden states); needs --longctx-recompute-tiles > 1 and "
                           "--longctx-offload-policy checkpoint"},
     )
-    rmsnorm: bool = field(
+    lean_norm: bool = field(
         default=False,
         metadata={"help": "RMSNorm keeps only its input and 1/rms for backward, as fused norms do "
                           "(for torch's nn.RMSNorm of Megatron's local spec; TE and apex norms already do)"},
@@ -249,7 +249,7 @@ class MemoryConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise flag_error(name, f"got {value!r}; give an integer >= 0")
-        for name in ("rmsnorm", "tiled_loss_recompute", "offload_residual_grad", "tiled_output_over_input"):
+        for name in ("lean_norm", "tiled_loss_recompute", "offload_residual_grad", "tiled_output_over_input"):
             if not isinstance(getattr(self, name), bool):
                 raise flag_error(name, f"got {getattr(self, name)!r}; give true or false")
         if not isinstance(self.offload_max_inflight, int) or self.offload_max_inflight < 1:
@@ -296,7 +296,7 @@ class MemoryConfig:
     @property
     def any_enabled(self) -> bool:
         return (self.offload_enabled or self.recompute_enabled or self.tiled_mlp_tiles > 1
-                or self.tiled_loss_tiles > 1 or self.rmsnorm)
+                or self.tiled_loss_tiles > 1 or self.lean_norm)
 
 
 # The feature dataclasses whose fields become --longctx-* flags, with the LongContextConfig attribute.

@@ -32,7 +32,7 @@ def hybrid_ranks(cp_ranks: Sequence[int], cp_rank: int, ulysses_size: int) -> tu
     return a2a, ring
 
 
-def hybrid(cp_group: dist.ProcessGroup, ulysses_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def hybrid_groups(cp_group: dist.ProcessGroup, ulysses_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """``(a2a_group, ring_group)`` of this rank for ``cp_group`` split as ``[ulysses_size, P/ulysses_size]``.
 
     Groups as :func:`hybrid_ranks` lays them out, created on first use
@@ -90,6 +90,6 @@ def a2a_and_ring_groups(algorithm: str, cp_group, cp_size: int, ulysses_size, hc
     if hcp_groups is not None:
         a2a, ring = check_hcp_groups(hcp_groups, cp_group, cp_size, ulysses_size, hq)
     else:
-        a2a, ring = hybrid(cp_group, ulysses_size)
+        a2a, ring = hybrid_groups(cp_group, ulysses_size)
     u = dist.get_world_size(a2a)
     return (a2a if u > 1 else None), (ring if u < cp_size else None)

@@ -5,7 +5,7 @@ Baselines are what a Megatron user runs without this plugin, at the same ranks a
 - ``megatron-unfused``: Megatron's local spec at CP=1 (its ``DotProductAttention`` materialises the
   ``s x s`` scores, and refuses CP>1 without Transformer Engine); the reference row for parity;
 - ``megatron-flash``: CP=1 with a flash-class kernel (the plugin's, through Megatron's ``core_attention``)
-  and a fused-class RMSNorm (``rmsnorm``: saves its input and ``1/rms``), every other plugin memory
+  and a fused-class RMSNorm (``lean_norm``: saves its input and ``1/rms``), every other plugin memory
   feature off: what TE's flash attention and fused norm give on a GPU;
 - ``megatron-flash+recompute``: the same with Megatron's best memory setting that runs here, full
   recompute, uniform, 1 layer (selective ``core_attn`` saves nothing once attention is flash-class,
@@ -97,7 +97,7 @@ class BenchConfig:
 def baseline_configs(cp: int) -> list[BenchConfig]:
     """Megatron without this plugin's contributions, at ``cp`` ranks (see the module docstring)."""
     # At CP=1 ring is one local flash-class kernel call; the lean norm keeps what TE's fused norm keeps.
-    flash = (("cp_algorithm", "ring"), ("rmsnorm", True))
+    flash = (("cp_algorithm", "ring"), ("lean_norm", True))
 
     def mk(name: str, desc: str, **kw: Any) -> BenchConfig:
         return BenchConfig(name, desc, Variant(name=name, **kw), baseline=True)
@@ -118,7 +118,7 @@ def default_configs(cp: int) -> list[BenchConfig]:
     """Every configuration for ``cp`` context-parallel ranks (the benchmark's world size)."""
 
     def plugin(name: str, algorithm: str, extra: tuple = (), desc: str = "", min_cp: int = 2) -> BenchConfig:
-        options = (("cp_algorithm", algorithm), ("rmsnorm", True)) + extra
+        options = (("cp_algorithm", algorithm), ("lean_norm", True)) + extra
         if algorithm == "hybrid":
             options += (("cp_ulysses_size", 2),)
         return BenchConfig(name, desc or f"plugin, CP={cp}, {algorithm}",

@@ -317,7 +317,7 @@ def install(model: Any, cfg: MemoryConfig) -> MemoryHandle:
         if losses:
             handle.active["tiled loss"] = (f"{cfg.tiled_loss_tiles} tiles"
                                            f"{', logits recomputed in backward' if cfg.tiled_loss_recompute else ''}")
-    if cfg.rmsnorm:
+    if cfg.lean_norm:
         norms = install_lean_norms(chunks)
         handle.removers.extend(norms)
         handle.active["lean RMSNorm"] = f"{len(norms)} norms" if norms else "none (the model has no torch RMSNorm)"

@@ -120,8 +120,8 @@ def test_config_selection_and_availability():
     flash = by_name_of(configs)["megatron-flash"].variant
     assert flash.plugin and flash.context_parallel_size == 1 and not flash.megatron_recompute
     # every plugin memory feature off but the norm that stands in for TE's fused one
-    assert dict(flash.longctx_options) == {"cp_algorithm": "ring", "rmsnorm": True}
-    assert all(dict(c.variant.longctx_options).get("rmsnorm") for c in configs if c.variant.plugin)
+    assert dict(flash.longctx_options) == {"cp_algorithm": "ring", "lean_norm": True}
+    assert all(dict(c.variant.longctx_options).get("lean_norm") for c in configs if c.variant.plugin)
     assert by_name_of(configs)["megatron-flash+cp"].variant.context_parallel_size == 2
     assert [c.name for c in select(configs, ["ring+all"])] == [BASELINE, "ring+all"]
     with pytest.raises(ValueError, match="--configs"):

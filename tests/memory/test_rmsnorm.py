@@ -110,7 +110,7 @@ def _gpt_body():
     with cpu(), megatron_parallel(tp=2):
         fields = dict(ORACLE, normalization="RMSNorm")
         ref = loss_and_grads(build_gpt(**fields))
-        for cfg in (MemoryConfig(rmsnorm=True), MemoryConfig(rmsnorm=True, recompute_granularity="full")):
+        for cfg in (MemoryConfig(lean_norm=True), MemoryConfig(lean_norm=True, recompute_granularity="full")):
             model = build_gpt(**fields)
             norms = [m for m in model.modules() if type(m) is torch.nn.RMSNorm]
             assert len(norms) == 2 * 2 + 1  # two per layer and the final norm

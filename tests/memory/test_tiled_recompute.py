@@ -304,7 +304,7 @@ def _everything_on_cp2(batches):
         model = build_gpt(**fields, spec=_plugin_spec(cp_algorithm="allgather", tiled_mlp_tiles=2))
         cfg = MemoryConfig(recompute_granularity="full", recompute_tiles=4, offload_policy="checkpoint",
                            offload_target="disk", offload_min_bytes=0, tiled_mlp_tiles=2, tiled_loss_tiles=4,
-                           tiled_loss_recompute=True, rmsnorm=lean, offload_residual_grad=stream,
+                           tiled_loss_recompute=True, lean_norm=lean, offload_residual_grad=stream,
                            tiled_output_over_input=stream)
         handle = install(model, cfg)
         handed = []
