@@ -23,8 +23,9 @@ setup(
         "bench": ["matplotlib", "tqdm"],
         # the peers python -m megatron_longctx.bench.peers sets side by side (never needed by the plugin)
         "peers": ["deepspeed"],
-        # CUDA-only; NVIDIA apex comes with the NGC container (PyPI's "apex" is an unrelated package).
-        "gpu": ["transformer-engine[pytorch]", "flash-attn", "nvidia-modelopt"],
+        # CUDA-only; Transformer Engine as megatron-core 0.19.2's own "te" extra requires it. NVIDIA apex
+        # comes with the NGC container (PyPI's "apex" is an unrelated package).
+        "gpu": ["transformer-engine[core_cu13,pytorch]", "flash-attn", "nvidia-modelopt"],
     },
     entry_points={"console_scripts": ["megatron-longctx=megatron_longctx.cli:main"]},
 )

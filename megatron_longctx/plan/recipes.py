@@ -12,6 +12,7 @@ the comment block that starts with ``# Planner`` changes; the command lines are 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
@@ -28,11 +29,24 @@ _SUBSTITUTE = {'"$TRAIN_ITERS"': "20", '"$OUTPUT_DIR/checkpoints"': "runs/ckpt",
                '"$OUTPUT_DIR/tensorboard"': "runs/tb",
                '"${DATA_ARGS[@]}"': "--mock-data --tokenizer-type NullTokenizer --vocab-size 128255", '"$@"': ""}
 _HEADER = re.compile(r"^# Planner.*\n(?:#   .*\n)*", re.MULTILINE)
+# A recipe may source a file of examples/ that defines flag arrays (NAME=( ... ) at the start of a line).
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+_SOURCE = re.compile(r'^source "\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/([\w./-]+)"', re.MULTILINE)
+_ARRAY = re.compile(r"^(\w+)=\((.*?)^\)", re.MULTILINE | re.DOTALL)
+
+
+def _expand_arrays(command: str, text: str) -> str:
+    """``command`` with each ``"${NAME[@]}"`` of an array the recipe's sourced files define written out."""
+    for name in _SOURCE.findall(text):
+        with open(os.path.join(EXAMPLES, name), encoding="utf-8") as fh:
+            for var, body in _ARRAY.findall(fh.read()):
+                command = command.replace(f'"${{{var}[@]}}"', " ".join(body.split()))
+    return command
 
 
 def training_args(text: str) -> list[str]:
     """The arguments after ``pretrain_gpt.py`` in the recipe's torchrun command."""
-    command = text[text.index("torchrun"):].replace("\\\n", " ")
+    command = _expand_arrays(text[text.index("torchrun"):].replace("\\\n", " "), text)
     for var, value in _SUBSTITUTE.items():
         command = command.replace(var, value)
     tokens = shlex.split(command.splitlines()[0])
