@@ -19,7 +19,7 @@ from .block_loop import GradSum, attend_segments, attend_segments_backward, new_
 from .comm import all_gather, pack, reduce_scatter
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .schedule import allgather_calls
-from .sinks import add_sink, sink_grad
+from .sinks import SinkedAttention
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index):
@@ -88,24 +88,9 @@ def allgather_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class AllGatherAttention(torch.autograd.Function):
-    """Autograd wrapper of :func:`allgather_forward` / :func:`allgather_backward`; ``sink`` as in
-    :class:`.ring.RingAttention`."""
+class AllGatherAttention(SinkedAttention):
+    """``apply(q, k, v, group, layout, args, sink=None)``: :func:`allgather_forward` / :func:`allgather_backward`
+    with the attention sinks (:mod:`.sinks`)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, layout, args, sink=None):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = allgather_forward(q, k, v, group, layout, args)
-        if sink is not None:
-            out, lse = add_sink(out, lse, sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.group, ctx.layout, ctx.args = group, layout, args
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, ctx.group, ctx.layout, ctx.args)
-        dsink = sink_grad(dout, out, lse, sink) if any(ctx.needs_input_grad[6:]) else None  # [h_q]
-        return dq, dk, dv, None, None, None, dsink
+    pattern_forward = staticmethod(allgather_forward)
+    pattern_backward = staticmethod(allgather_backward)

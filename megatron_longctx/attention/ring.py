@@ -32,7 +32,7 @@ from .block_loop import (
 from .comm import RingComm, pack, unpack
 from .schedule import RingSchedule
 from .segments import split_for_overlap, whole
-from .sinks import add_sink, sink_grad
+from .sinks import SinkedAttention
 
 
 # Local tokens up to which the ring backward splits its local block around the remote steps
@@ -180,24 +180,9 @@ def _step_backward(dout, q, k_i, v_i, out, lse, calls, args: AttentionArgs, dq: 
     attend_segments_backward(dout, q, k_i, v_i, out, lse, calls, args.softmax_scale, args.backend, dq, dkv)
 
 
-class RingAttention(torch.autograd.Function):
-    """Autograd wrapper of :func:`ring_forward` / :func:`ring_backward`; ``sink`` ``[h_q]`` or None: the
-    attention sinks (:mod:`.sinks`), added to each row's merged result and saved with it."""
+class RingAttention(SinkedAttention):
+    """``apply(q, k, v, group, schedule, args, sink=None)``: :func:`ring_forward` / :func:`ring_backward` with
+    the attention sinks (:mod:`.sinks`)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, schedule, args, sink=None):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = ring_forward(q, k, v, group, schedule, args)
-        if sink is not None:
-            out, lse = add_sink(out, lse, sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.group, ctx.schedule, ctx.args = group, schedule, args
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.schedule, ctx.args)
-        dsink = sink_grad(dout, out, lse, sink) if any(ctx.needs_input_grad[6:]) else None  # [h_q]
-        return dq, dk, dv, None, None, None, dsink
+    pattern_forward = staticmethod(ring_forward)
+    pattern_backward = staticmethod(ring_backward)

@@ -229,7 +229,7 @@ class HeadsAttention(RingAttention):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        dout, calls = dout.contiguous(), ctx.schedule.calls[0][0]
+        dout, calls = dout.contiguous(), ctx.plan.calls[0][0]
         scale, backend = ctx.args.softmax_scale, ctx.args.backend
         dsink = sink_grad(dout, out, lse, sink) if any(ctx.needs_input_grad[6:]) else None
         pieces = head_pieces(q.shape[2], k.shape[2])
