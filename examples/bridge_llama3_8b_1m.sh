@@ -13,15 +13,10 @@
 set -euo pipefail
 
 : "${NNODES:=1}"
-: "${NODE_RANK:=0}"
-: "${MASTER_ADDR:=localhost}"
-: "${MASTER_PORT:=29500}"
 : "${OUTPUT_DIR:=runs/bridge_llama3_8b_1m}"
-: "${TRAIN_ITERS:=20}"
 SEQ=1048576
-
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# NODE_RANK, MASTER_ADDR, MASTER_PORT, TRAIN_ITERS and the CUDA environment: see shared/llama3.sh
+source "$(dirname "${BASH_SOURCE[0]}")/shared/llama3.sh"
 
 torchrun --nproc-per-node 8 --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \

@@ -1,4 +1,5 @@
-# What the Llama-3 recipes (examples/llama3_*.sh) share, sourced by each after it sets NNODES and OUTPUT_DIR:
+# What the Llama-3 recipes (examples/llama3_*.sh, bridge_llama3_*.sh) share, sourced by each after it sets
+# NNODES and OUTPUT_DIR (the Bridge recipes use the environment only):
 # the defaults of the environment, the data arguments, and two arrays of Megatron-LM flags:
 #   LLAMA3_MODEL_FLAGS  the Llama-3 architecture apart from its size (each recipe gives --num-layers,
 #                       --hidden-size, --ffn-hidden-size and --num-attention-heads for 8B or 70B);
