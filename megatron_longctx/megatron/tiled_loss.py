@@ -12,15 +12,10 @@ import inspect
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_longctx.memory import residual_offload
-from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+from megatron_longctx.memory.tiled_loss import group_size_rank, tiled_logits_loss
 from megatron_longctx.patching import patch
-
-
-def _tp_size(group: Any) -> int:
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 def _labels_of(signature: inspect.Signature, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -69,7 +64,7 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bo
     # Recompute: the decoder's final norm runs inside the loss, one tile at a time (its output is never
     # kept whole), where the hidden states are whole on this rank (no vocabulary split over TP).
     final_norm = getattr(getattr(gpt_model, "decoder", None), "final_layernorm", None) if recompute else None
-    if final_norm is not None and (_tp_size(getattr(output_layer, "tp_group", None)) > 1
+    if final_norm is not None and (group_size_rank(getattr(output_layer, "tp_group", None))[0] > 1
                                    or getattr(output_layer, "sequence_parallel", False)):
         final_norm = None
 

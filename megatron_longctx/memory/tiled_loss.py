@@ -41,7 +41,8 @@ class TiledLossArgs:
     grad_target: Optional[residual_offload.Target] = None  # recompute: d hidden may stream (--longctx-offload-residual-grad)
 
 
-def _group_size_rank(group: Any) -> tuple[int, int]:
+def group_size_rank(group: Any) -> tuple[int, int]:
+    """``(size, rank)`` of ``group``; ``(1, 0)`` for None or without torch.distributed."""
     if group is None or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
@@ -71,7 +72,7 @@ def _tile_loss(args: TiledLossArgs, h: torch.Tensor, weight: torch.Tensor, targe
                lse: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One tile's log-sum-exp and loss (written into ``lse``, ``loss`` ``[t, b]``); returns its
     ``exp(logits - max)`` ``[t, b, V/tp]`` (the tile's one logits buffer) and their sum ``[t, b]``."""
-    tp, _ = _group_size_rank(args.tp_group)
+    tp, _ = group_size_rank(args.tp_group)
     v_local = weight.shape[0]
     logits = _tile_logits(h, weight)  # [t, b, V/tp]
     row_max = logits.max(dim=-1).values  # [t, b]
@@ -98,7 +99,7 @@ def tiled_loss_forward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.
     ``target`` ``[s, b]``.  ``D @ W`` is this rank's share (summed over TP in backward).  With
     ``args.recompute`` the last two are ``None`` (backward recomputes them).
     """
-    _, rank = _group_size_rank(args.tp_group)
+    _, rank = group_size_rank(args.tp_group)
     v_local = weight.shape[0]
     v_start = rank * v_local
     acc = torch.promote_types(hidden.dtype, torch.float32)
@@ -139,7 +140,7 @@ def tiled_loss_backward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch
 
     ``saved`` = (lse, D @ W, D^T h) from :func:`tiled_loss_forward`; ``grad_loss`` ``[s, b]`` float32.
     """
-    tp, rank = _group_size_rank(args.tp_group)
+    tp, rank = group_size_rank(args.tp_group)
     lse, d_hidden, d_weight = saved
     grad_hidden = d_hidden.mul_(grad_loss.unsqueeze(-1).to(d_hidden.dtype))  # [s, b, h], exact for any g
     if args.reduce_grad_input and tp > 1:
@@ -182,7 +183,7 @@ def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, wei
     input) and ``norm_params``.  With ``stream`` the rows of ``d hidden`` are written there, one tile at a
     time, and it is returned in place of a tensor (:mod:`residual_offload`).
     """
-    tp, rank = _group_size_rank(args.tp_group)
+    tp, rank = group_size_rank(args.tp_group)
     v_start = rank * weight.shape[0]
     grad_hidden = torch.empty_like(hidden) if stream is None else None  # [s, b, h]
     grad_weight = _weight_grad_target(args, weight)  # [V/tp, h] float32
@@ -226,7 +227,7 @@ class TiledLogitsLoss(torch.autograd.Function):
         loss, lse, d_hidden, d_weight = tiled_loss_forward(args, hidden, weight, target)
         ctx.args, ctx.norm_params = args, norm_params
         ctx.watch = grad_buffers.Watch(hidden)
-        tp = _group_size_rank(args.tp_group)[0]
+        tp = group_size_rank(args.tp_group)[0]
         streams = args.grad_target is not None and args.recompute and not (args.reduce_grad_input and tp > 1)
         ctx.consumer = residual_offload.consumer_of(hidden, ctx.watch) if streams else None
         if args.recompute:
