@@ -56,15 +56,14 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
         spec = LongContextLayerSpec(base=model.transformer_layer_spec, options=options)
         longctx, options = _config(spec), spec.options
     check_model_config(model, longctx, recompute_moved=moved)
-    if hybrid:
-        stack = _hybrid_stack_spec(model, longctx)  # before anything changes: a refusal leaves the config as it was
+    # made before anything changes: a refusal leaves the config as it was
+    field, value = (("hybrid_stack_spec", _hybrid_stack_spec(model, longctx)) if hybrid
+                    else ("transformer_layer_spec", spec))
     if moved:
-        for name, value in _MEGATRON_RECOMPUTE.items():
-            setattr(model, name, value)
-    if hybrid:
-        model.hybrid_stack_spec = stack
-    else:
-        model.transformer_layer_spec = spec
+        for name, cleared in _MEGATRON_RECOMPUTE.items():
+            setattr(model, name, cleared)
+    setattr(model, field, value)
+    if not hybrid:
         allow_in_run_config()  # this run writes it to run_config.yaml; a resume calls configure again
     _register_pre_wrap_hook(model, LongContextModelHook(options=options))
     return cfg
