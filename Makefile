@@ -18,7 +18,7 @@ RUN_ARGS ?=
 help:
 	@echo "make run          the main job (see README)"
 	@echo "make test         set up .venv if needed and run the CPU test suite"
-	@echo "make test-compat  the same suite on python3.11 + megatron-core 0.16.1 + torch 2.13.0"
+	@echo "make test-compat  the Megatron-facing tests on python3.11 + megatron-core 0.16.1 + torch 2.13.0"
 	@echo "make test-bridge  tests/bridge against Megatron-Bridge 0.6.2 (its own .venv-bridge, scripts/install_bridge.sh)"
 	@echo "make bench        the regression benchmark against baseline Megatron"
 
@@ -51,7 +51,7 @@ test: setup
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
 
 test-compat: setup-compat
-	$(VENV_COMPAT)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+	$(VENV_COMPAT)/bin/python -m pytest -q --megatron-facing $(PYTEST_ARGS) tests
 
 # The model-build test of tests/bridge needs no Bridge and runs in `make test` already.
 test-bridge: setup-bridge
