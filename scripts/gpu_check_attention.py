@@ -300,7 +300,7 @@ def _ring_row(kern, kind: str, p: int, q, k, v, dout, mask, s: int, t_single_cac
     real = torch.tensor([i for a, n in docs for i in range(a, a + n)], device=q.device)
     errs = {"out": _rel_err(out[:, real], ref_out[:, real])}  # lse: the packed section compares it
     errs.update({n: _rel_err(g[:, real], r[:, real]) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
-    row["max_rel_err"] = errs
+    row["max_err"] = errs
     key = (kind, p if kind == "packed" else 0)  # packed documents depend on P (padding per document)
     if key not in t_single_cache:
         t_single_cache[key] = _time(lambda: _single(kern, q, k, v, docs, mask, scale, None), q.device)

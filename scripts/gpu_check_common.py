@@ -32,7 +32,7 @@ def verdict(items: list[dict], must: int) -> str:
     statuses = [r.get("status") for r in items]
     if any(s in (FAILED, ERROR, "mismatch") for s in statuses):
         return FAILED
-    if len(items) < must or any(s == BUDGET for s in statuses):
+    if len(items) < must or any(s in (BUDGET, INCOMPLETE) for s in statuses):
         return INCOMPLETE
     return OK if all(s in (OK, "unsupported") for s in statuses) else FAILED
 
