@@ -15,7 +15,7 @@ call (``cum_seq_q``/``cum_seq_k``, ``[T, h, D]`` rows end to end, lse ``[h, T]``
 The other SDPA kernels that return a logsumexp are not used: the memory-efficient kernel pads its
 lse to 32-row tiles, expresses masks only as a dense bias and needs equal head counts; cuDNN's has
 no window arguments.  fp16/bf16 only, head dims up to 256 (after padding to a multiple of 8),
-sm80 or newer.  float32 blocks on CUDA fall back to :mod:`.reference` in automatic selection.
+sm80 or newer.  float32 blocks on CUDA are refused in automatic selection (:mod:`.select`).
 """
 
 from __future__ import annotations
