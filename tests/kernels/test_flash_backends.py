@@ -151,3 +151,18 @@ def test_flash_attn_3_interface_gate(monkeypatch, entry, usable):
         assert isinstance(got, str) and "window_size_left" in got and "is_causal" in got
     else:
         assert isinstance(got, str) and "flash_attn_varlen_func" in got and "window_size" in got
+
+
+@pytest.mark.parametrize("op, stand_in", [
+    (torch.ops.aten._flash_attention_forward, flash_emulation.flash_forward),
+    (torch.ops.aten._flash_attention_backward, flash_emulation.flash_backward)], ids=["forward", "backward"])
+def test_the_emulated_torch_ops_have_this_torchs_schema(op, stand_in):
+    """The CPU stand-ins take exactly the arguments of this torch's flash ops (names, order, keyword-only)."""
+    import inspect
+
+    schema = op.default._schema.arguments
+    params = list(inspect.signature(stand_in).parameters.values())
+    wanted = [a.name for a in schema if a.name not in ("seqused_k", "alibi_slopes", "block_table", "num_splits")]
+    assert [p.name for p in params] == wanted
+    keyword_only = {a.name for a in schema if a.kwarg_only}
+    assert {p.name for p in params if p.kind is p.KEYWORD_ONLY} == keyword_only & set(wanted)
