@@ -41,39 +41,24 @@ def _backends(device: torch.device) -> dict[str, Any]:
 
 
 def _emulated() -> dict[str, tuple]:
-    from packaging.version import Version
-
-    from megatron_longctx.kernels import flash_attn, sdpa_cuda
+    from megatron_longctx.kernels import sdpa_cuda
     from tests.kernels import flash_attn_releases as releases
     from tests.kernels import flash_emulation
 
-    def fa2(release):
-        return flash_attn._FlashAttn2Pieces(flash_attn.fa2_entry_points(releases.FA2_RELEASES[release],
-                                                                        Version(release)))
-
     return {"sdpa_cuda~emulated": ("sdpa_cuda", lambda: sdpa_cuda.FlashOpPieces(
                 flash_emulation.flash_forward, flash_emulation.flash_backward, True)),
-            "flash_attn-2.5.0~emulated": ("flash_attn", lambda: fa2("2.5.0")),
-            "flash_attn-2.8.3~emulated": ("flash_attn", lambda: fa2("2.8.3")),
-            "flash_attn-3~emulated": ("flash_attn", lambda: flash_attn._FlashAttn3Pieces(
-                flash_attn.fa3_entry_points(releases.FA3)))}
+            "flash_attn-2.5.0~emulated": ("flash_attn", lambda: releases.fa2_kernel("2.5.0")),
+            "flash_attn-2.8.3~emulated": ("flash_attn", lambda: releases.fa2_kernel("2.8.3")),
+            "flash_attn-3~emulated": ("flash_attn", releases.fa3_kernel)}
 
 
 @contextlib.contextmanager
 def _installed(name: str, make):
     """``select.BACKENDS[name]`` served by piece kernel ``make()`` on CPU tensors (production arithmetic)."""
-    import types
+    from megatron_longctx.kernels import select
+    from tests.kernels.flash_emulation import emulated_backend
 
-    from megatron_longctx.kernels import driver, select
-
-    kernel = make()
-    fake = types.SimpleNamespace(
-        name=name, available=lambda device: None, check=lambda q, k, v, args: None,
-        forward=lambda q, k, v, args: driver.forward(kernel, driver.flash2_pieces(args, q.shape[1], k.shape[1]),
-                                                     q, k, v, args),
-        backward=lambda dout, q, k, v, out, lse, args: driver.backward(
-            kernel, driver.flash2_pieces(args, q.shape[1], k.shape[1]), dout, q, k, v, out, lse, args),
-        forward_blocks=kernel.forward_blocks, backward_blocks=kernel.backward_blocks)
+    fake = emulated_backend(name, make())
     saved = select.BACKENDS[name]
     select.BACKENDS[name] = fake
     try:

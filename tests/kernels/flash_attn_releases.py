@@ -194,3 +194,22 @@ def fa3_backward_feb_2025(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
 
 FA3 = _interface(flash_attn_func=fa3_flash_attn_func, flash_attn_varlen_func=fa3_flash_attn_varlen_func,
                  _flash_attn_backward=fa3_flash_attn_backward)
+
+
+def fa2_kernel(release: str):
+    """The flash_attn backend's piece kernel over flash-attn ``release``'s stand-ins (probed as the real ones)."""
+    from packaging.version import Version
+
+    from megatron_longctx.kernels import flash_attn
+
+    fa2 = flash_attn.fa2_entry_points(FA2_RELEASES[release], Version(release))
+    assert not isinstance(fa2, str), fa2
+    return flash_attn._FlashAttn2Pieces(fa2)
+
+
+def fa3_kernel():
+    from megatron_longctx.kernels import flash_attn
+
+    fa3 = flash_attn.fa3_entry_points(FA3)
+    assert not isinstance(fa3, str), fa3
+    return flash_attn._FlashAttn3Pieces(fa3)

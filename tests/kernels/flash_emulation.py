@@ -14,6 +14,8 @@ FlashAttention-3's rewrites; the flash-attn package's entry points per release a
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 
@@ -185,3 +187,19 @@ def _dense_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
     h_kv = key.shape[2]
     dk, dv = dkx.unflatten(2, (h_kv, g)).sum(3), dvx.unflatten(2, (h_kv, g)).sum(3)
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+def emulated_backend(name: str, kernel) -> types.SimpleNamespace:
+    """A backend module called ``name`` over piece kernel ``kernel`` (whose ops are emulations): the production
+    driver and variable-length arithmetic on CPU tensors, for ``select.BACKENDS[name]``."""
+    from megatron_longctx.kernels import driver
+
+    def pieces(args, q, k):
+        return driver.flash2_pieces(args, q.shape[1], k.shape[1])
+
+    return types.SimpleNamespace(
+        name=name, available=lambda device: None, check=lambda q, k, v, args: None,
+        forward=lambda q, k, v, args: driver.forward(kernel, pieces(args, q, k), q, k, v, args),
+        backward=lambda dout, q, k, v, out, lse, args: driver.backward(kernel, pieces(args, q, k), dout, q, k, v,
+                                                                       out, lse, args),
+        forward_blocks=kernel.forward_blocks, backward_blocks=kernel.backward_blocks)

@@ -94,18 +94,7 @@ def check_pieces_kernel(kernel, case):
 FEW = [c for c in CASES if c.name in ("causal_diagonal", "window_both_tall", "gqa", "mla_dqk_gt_dv", "single_query")]
 
 
-def fa2_kernel(release: str):
-    from packaging.version import Version
-
-    fa2 = flash_attn.fa2_entry_points(releases.FA2_RELEASES[release], Version(release))
-    assert not isinstance(fa2, str), fa2
-    return flash_attn._FlashAttn2Pieces(fa2)
-
-
-def fa3_kernel():
-    fa3 = flash_attn.fa3_entry_points(releases.FA3)
-    assert not isinstance(fa3, str), fa3
-    return flash_attn._FlashAttn3Pieces(fa3)
+fa2_kernel, fa3_kernel = releases.fa2_kernel, releases.fa3_kernel
 
 
 @pytest.mark.parametrize("release", sorted(releases.FA2_RELEASES))

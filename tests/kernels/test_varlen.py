@@ -107,20 +107,11 @@ def _emulated_sdpa(ops: _Counted) -> types.SimpleNamespace:
 
 
 def _module(name: str, kernel) -> types.SimpleNamespace:
-    """A backend module on the CPU over a piece kernel with emulated ops (production arithmetic)."""
-    return types.SimpleNamespace(
-        name=name, available=lambda device: None, check=lambda q, k, v, args: None,
-        forward=lambda q, k, v, args: driver.forward(kernel, driver.flash2_pieces(args, q.shape[1], k.shape[1]),
-                                                     q, k, v, args),
-        backward=lambda dout, q, k, v, out, lse, args: driver.backward(
-            kernel, driver.flash2_pieces(args, q.shape[1], k.shape[1]), dout, q, k, v, out, lse, args),
-        forward_blocks=kernel.forward_blocks, backward_blocks=kernel.backward_blocks)
+    return flash_emulation.emulated_backend(name, kernel)
 
 
 def _release_kernel(release: str):
-    from .test_flash_backends import fa2_kernel, fa3_kernel
-
-    return fa3_kernel() if release == "fa3" else fa2_kernel(release)
+    return releases.fa3_kernel() if release == "fa3" else releases.fa2_kernel(release)
 
 
 RELEASES = ["2.5.0", "2.6.3", "2.7.4", "2.8.3", "fa3"]
