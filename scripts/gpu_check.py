@@ -121,14 +121,14 @@ SECTIONS: dict[str, tuple[Callable, float]] = {
     "kernels": (section_kernels, 50),
     "ring": (section_ring, 50),
     "windows": (section_windows, 25),
-    "packed": (section_packed, 40),
+    "packed": (section_packed, 50),
     "offload": (section_offload, 40),
     "offload_one_connection": (section_offload_one_connection, 40),
     "gpt_step": (section_gpt_step, 25),
     "tiled_replay": (section_tiled_replay, 30),
     "fused_replay": (section_fused_replay, 15),
     "residual_grad": (section_residual_grad, 25),
-    "max_seq": (section_max_seq, 90),
+    "max_seq": (section_max_seq, 80),
 }
 
 
@@ -181,8 +181,10 @@ def _summary(name: str, r: dict) -> str:
         for x in r["rows"]:
             calls = (f"{x['max_forward_calls_per_step']}/{x['max_backward_calls_per_step']}" if x["status"] == OK
                      else x["status"])
+            if "packed_over_dense_per_pair" in x:
+                calls += f" x{x['packed_over_dense_per_pair']:.2f}"
             by.setdefault(x["backend"], []).append(f"{x['layout'].split('+')[0]} cp{x['cp']} {calls}")
-        return "calls/step fwd/bwd: " + "; ".join(f"{b}: " + ", ".join(v) for b, v in by.items())
+        return "calls/step fwd/bwd (x packed/dense time per pair): " + "; ".join(f"{b}: " + ", ".join(v) for b, v in by.items())
     if name == "ring":
         return "; ".join(f"{x['layout']} cp{x['cp']}: " + (f"{x['efficiency']:.0%}" if x["status"] == OK else x["status"])
                          for x in r["rows"])

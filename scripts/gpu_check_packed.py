@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gpu_check_common import BUDGET, ERROR, FAILED, OK, Budget, Sizes, _abs_err, _rel_err, verdict
+from gpu_check_common import BUDGET, ERROR, FAILED, OK, Budget, Sizes, _abs_err, _rel_err, _time, verdict
 
 MAX_CALLS_PER_STEP = 3  # per direction, for a backend with variable-length calls
 
@@ -212,10 +212,31 @@ def _row(label: str, backend: str, varlen: bool, kind: str, cp: int, data: dict,
     # more per window geometry (flash-attn's windows are relative to each sequence's bottom-right corner)
     bound = [k if mask.left >= 0 else min(k, MAX_CALLS_PER_STEP) for k in kinds]
     calls_ok = not varlen or all(f <= b and w <= b for f, w, b in zip(fwd_calls, bwd_calls, bound))
-    return {"backend": label, "layout": kind, "cp": cp, "documents": len(lengths), "steps": steps,
+    row_timing = _per_pair(data, cp, mask, backend) if q.device.type == "cuda" else {}
+    return {**row_timing, "backend": label, "layout": kind, "cp": cp, "documents": len(lengths), "steps": steps,
             "max_err": errs, "tolerance": tol, "max_forward_calls_per_step": max(fwd_calls),
             "max_backward_calls_per_step": max(bwd_calls), "max_kinds_per_step": max(kinds), "calls_bounded": calls_ok,
             "status": OK if within and calls_ok else FAILED}
+
+
+def _per_pair(data: dict, cp: int, mask, backend: str) -> dict:
+    """Seconds per visible pair of the packed ring's forward+backward, and of one document of the same tokens
+    (the dense layout) through the same ring: the cost of packing (reported, not judged)."""
+    from megatron_longctx.attention import Packing
+    from megatron_longctx.attention.packed_sharding import pad_packed
+    from megatron_longctx.attention.segments import visible_pairs
+
+    out = {}
+    for name, lengths in (("packed", data["lengths"]), ("dense", (sum(data["lengths"]),))):
+        packing = Packing.from_lengths(lengths, cp)
+        q, k, v, dout = (pad_packed(data[n], packing) for n in ("q", "k", "v", "dout"))
+        counter = _CallCounter()
+        seconds = _time(lambda: _ring(q, k, v, dout, data["sink"], packing, cp, mask, data["scale"], backend,
+                                      counter), q.device, reps=2)
+        pairs = sum(visible_pairs(mask, 0, n, 0, n) for n in lengths)
+        out[f"{name}_ns_per_kpair"] = seconds / pairs * 1e12
+    out["packed_over_dense_per_pair"] = out["packed_ns_per_kpair"] / out["dense_ns_per_kpair"]
+    return out
 
 
 def section_packed(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
