@@ -9,6 +9,9 @@ Sections (each with its own time budget; an error in one is recorded and the nex
 * ``ring`` — the real ring schedule of P = 2, 4, 8 ranks for causal, windowed and packed (THD)
   layouts, run block by block on one GPU against one kernel call (per document when packed): outputs
   and gradients, pair counts, efficiency;
+* ``packed`` — the packed ring as training runs it: one many-document call per ring step (mixed lengths,
+  windows, GQA, sinks) over documents of several kernel tiles, against float64, with its kernel calls
+  per step counted;
 * ``offload`` — a GPTModel trained plain and with ``memory_spec.install`` offloading every layer: peak
   memory, gradients, host-link bandwidth and how much of the copies hid behind compute;
 * ``offload_one_connection`` — the same in a child process under ``CUDA_DEVICE_MAX_CONNECTIONS=1``
@@ -30,7 +33,11 @@ Sections (each with its own time budget; an error in one is recorded and the nex
 Writes one JSON file (after every section, so a killed run keeps what finished) and prints a table.
 Schema ``gpu_check/2``; the keys a calibration reads are ``sections.kernels.tflops.<backend>.<dtype>.
 {fwd,bwd,seq,heads}`` (TFLOP/s of one causal call) and ``sections.environment.matmul_bf16_tflops``.  ``--allow-cpu`` runs the same code paths on the CPU with tiny sizes (a dry run for CI).
-Exit status: 0 all sections ran or were skipped with a reason, 1 a section failed, 3 no CUDA device
+Each section states what it must cover and is "ok" only when all of it ran and passed; otherwise
+"failed", "error", "incomplete" (the time budget left something out) or "unavailable" (a package it
+needs is absent).  NaN, or an inf the float64 reference does not have (with its sign), fails every
+comparison; lse is compared in absolute nats.
+Exit status: 0 every section "ok", 1 any other status, 3 no CUDA device
 (and no ``--allow-cpu``), 4 NVIDIA GPUs present but unusable by this torch (driver mismatch...).
 """
 
@@ -52,7 +59,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # this repository, and the section modules beside this file
 
 from gpu_check_attention import section_kernels, section_ring, section_windows  # noqa: E402
-from gpu_check_common import CPU_SIZES, GPU_SIZES, Budget, Sizes, Skip, _time  # noqa: E402
+from gpu_check_common import (CPU_SIZES, ERROR, GPU_SIZES, INCOMPLETE, OK, UNAVAILABLE, Budget,  # noqa: E402
+                              BudgetSkip, Sizes, Skip, _time, worst)
+from gpu_check_packed import section_packed  # noqa: E402
 from gpu_check_gpt import section_gpt_step  # noqa: E402
 from gpu_check_memory import section_max_seq, section_offload, section_tiled_replay  # noqa: E402
 from gpu_check_replay import section_fused_replay, section_residual_grad  # noqa: E402
@@ -96,31 +105,35 @@ def section_offload_one_connection(device: torch.device, sizes: Sizes, budget: B
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(budget.left(), 10))
         except subprocess.TimeoutExpired:
-            raise Skip("time budget (the child did not finish)")
+            raise BudgetSkip("time budget (the child did not finish)")
         if not os.path.exists(out):
-            return {"status": "error", "error": f"child exited {proc.returncode}: {proc.stderr[-2000:]}"}
+            return {"status": ERROR, "error": f"child exited {proc.returncode}: {proc.stderr[-2000:]}"}
         with open(out, encoding="utf-8") as fh:
             child = json.load(fh)["sections"]["offload"]
     child["child_returncode"] = proc.returncode
     return child
 
 
+# Seconds each section may take (the sum, 450, leaves the 480 s limit of gpu_check.sh room for the start);
+# a section that runs out before covering what it must is "incomplete", which fails the run.
 SECTIONS: dict[str, tuple[Callable, float]] = {
     "environment": (section_environment, 20),
-    "kernels": (section_kernels, 55),
-    "ring": (section_ring, 55),
-    "windows": (section_windows, 30),
-    "offload": (section_offload, 45),
-    "offload_one_connection": (section_offload_one_connection, 45),
-    "gpt_step": (section_gpt_step, 30),
+    "kernels": (section_kernels, 50),
+    "ring": (section_ring, 50),
+    "windows": (section_windows, 25),
+    "packed": (section_packed, 50),
+    "offload": (section_offload, 40),
+    "offload_one_connection": (section_offload_one_connection, 40),
+    "gpt_step": (section_gpt_step, 25),
     "tiled_replay": (section_tiled_replay, 30),
     "fused_replay": (section_fused_replay, 15),
     "residual_grad": (section_residual_grad, 25),
-    "max_seq": (section_max_seq, 125),
+    "max_seq": (section_max_seq, 80),
 }
 
 
-def run(sections: list[str], device: torch.device, sizes: Sizes, out_path: str, scale: float) -> dict:
+def run(sections: list[str], device: torch.device, sizes: Sizes, out_path: str, scale: float,
+        options: dict | None = None) -> dict:
     report: dict[str, Any] = {"schema": SCHEMA, "device": str(device), "dry_run": device.type != "cuda",
                               "sections": {}}
     for name in sections:
@@ -128,12 +141,14 @@ def run(sections: list[str], device: torch.device, sizes: Sizes, out_path: str, 
         budget = Budget(seconds * scale)
         t0 = time.monotonic()
         try:
-            result = fn(device, sizes, budget)
-            result.setdefault("status", "ok")
+            result = fn(device, sizes, budget, **(options or {}).get(name, {}))
+            result.setdefault("status", OK)
+        except BudgetSkip as exc:
+            result = {"status": INCOMPLETE, "reason": str(exc)}
         except Skip as exc:
-            result = {"status": "skipped", "reason": str(exc)}
+            result = {"status": UNAVAILABLE, "reason": str(exc)}
         except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
-            result = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
+            result = {"status": ERROR, "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(limit=8)}
         result["seconds"] = round(time.monotonic() - t0, 2)
         report["sections"][name] = result
@@ -146,7 +161,7 @@ def run(sections: list[str], device: torch.device, sizes: Sizes, out_path: str, 
 
 
 def _summary(name: str, r: dict) -> str:
-    if r["status"] in ("skipped", "error"):
+    if "reason" in r or "error" in r:
         return r.get("reason") or r.get("error", "")
     if name == "environment":
         mm = r.get("matmul_bf16_tflops")
@@ -156,10 +171,23 @@ def _summary(name: str, r: dict) -> str:
         parts = []
         for backend, entry in r["backends"].items():
             speeds = ", ".join(f"{dt} {v['fwd']:.0f}/{v['bwd']:.0f}" for dt, v in r["tflops"].get(backend, {}).items())
-            parts.append(f"{backend}: {entry['status']}" + (f" (TFLOPS fwd/bwd {speeds})" if speeds else ""))
+            bad = entry.get("bad_cases") or ([entry["reason"]] if "reason" in entry else [])
+            parts.append(f"{backend}: {entry['status']}" + (f" (TFLOPS fwd/bwd {speeds})" if speeds else "")
+                         + (f" [{'; '.join(bad[:4])}]" if bad else ""))
+        parts += [f"{b}: not here ({why})" for b, why in r.get("not_here", {}).items()]
         return "; ".join(parts)
+    if name == "packed":
+        by: dict = {}
+        for x in r["rows"]:
+            calls = (f"{x['max_forward_calls_per_step']}/{x['max_backward_calls_per_step']}" if x["status"] == OK
+                     else x["status"])
+            if "packed_over_dense_per_pair" in x:
+                calls += f" x{x['packed_over_dense_per_pair']:.2f}"
+            by.setdefault(x["backend"], []).append(f"{x['layout'].split('+')[0]} cp{x['cp']} {calls}")
+        return "calls/step fwd/bwd (x packed/dense time per pair): " + "; ".join(f"{b}: " + ", ".join(v) for b, v in by.items())
     if name == "ring":
-        return "; ".join(f"{x['layout']} cp{x['cp']}: {x['efficiency']:.0%}" for x in r["rows"] if "efficiency" in x)
+        return "; ".join(f"{x['layout']} cp{x['cp']}: " + (f"{x['efficiency']:.0%}" if x["status"] == OK else x["status"])
+                         for x in r["rows"])
     if name.startswith("offload"):
         if "peak_reduction" in r:
             return (f"peak {r['plain_peak_gib']:.1f} -> {r['offload_peak_gib']:.1f} GiB, time "
@@ -184,7 +212,7 @@ def _summary(name: str, r: dict) -> str:
                    else f"; {r.get('note', '')}"))
     if name == "windows":
         return "; ".join(
-            f"{b}: {e['status']}" + (f" (err {max(e['max_rel_err'].values()):.1e}, us/token x{e['us_per_token_growth']:.2f},"
+            f"{b}: {e['status']}" + (f" (err {worst(e['max_err'].values()):.1e}, us/token x{e['us_per_token_growth']:.2f},"
                                       f" keys/row x{e['keys_per_row_growth']:.2f} for 4x tokens)" if "rows" in e else "")
             for b, e in r["backends"].items())
     if name == "max_seq":
@@ -199,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-cpu", action="store_true", help="dry run on the CPU with tiny sizes")
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every section's time budget")
+    p.add_argument("--cases", nargs="+", help="kernels section: only these cases of tests/kernels/cases.py")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from megatron_longctx.kernels.cuda_presence import unusable_gpu_reason
@@ -220,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"schema": SCHEMA, "status": "no_cuda", "torch": torch.__version__}, fh, indent=2)
         return 3
-    report = run(args.sections, device, sizes, args.out, args.budget_scale)
+    options = {"kernels": {"cases": args.cases}} if args.cases else {}
+    report = run(args.sections, device, sizes, args.out, args.budget_scale, options)
     print(f"{'section':<24}{'status':<10}{'s':>7}  summary")
     for name, r in report["sections"].items():
         try:
@@ -229,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
             summary = f"(no summary: {type(exc).__name__})"
         print(f"{name:<24}{r['status']:<10}{r['seconds']:>7.1f}  {summary}")
     print(f"wrote {args.out}")
-    return 1 if any(r["status"] in ("error", "failed") for r in report["sections"].values()) else 0
+    bad = [n for n, r in report["sections"].items() if r["status"] != OK]
+    if bad:
+        listed = ", ".join(f"{n} ({report['sections'][n]['status']})" for n in bad)
+        print(f"gpu_check: FAILED: {listed}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

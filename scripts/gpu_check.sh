@@ -10,12 +10,16 @@
 # Engine absent, so sdpa_cuda is the backend proven there).  Once, here, in the repo root:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl megatron-core==0.19.2
-# (2.3 MiB; its requirements torch, numpy, packaging are on the image.)  Then the device `run` call:
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl megatron-core==0.19.2
+# (its requirements torch, numpy, packaging are on the image).  Then the one device `run` call:
 #   command:   set -o pipefail; scripts/gpu_check.sh $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
 #   carry:     [".whl"]
-#   timeout_s: 560   (8 minutes of sections + wheel install + start; leaves a rerun inside 15 minutes)
-# Exit status: 0 ok, 1 a section failed, 3 no CUDA device, 4 GPUs present but unusable by torch, 124 timeout.
+#   timeout_s: 560   (450 s of section budgets inside the 480 s limit below, the wheel install and the start;
+#                     leaves a rerun inside 15 minutes of device time)
+# It prints one table (a row per section) and writes the JSON; every section must come back "ok".
+# Exit status: 0 every section ok; 1 any section failed, errored, incomplete (time budget) or unavailable;
+# 3 no CUDA device, 4 GPUs present but unusable by torch, 124 the 8-minute limit.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-gpu_check.json}"

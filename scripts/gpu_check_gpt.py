@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from gpu_check_common import Budget, Sizes, Skip, _rel_err, _sync
+from gpu_check_common import Budget, Sizes, Skip, _rel_err, _sync, worst
 
 
 def require_megatron() -> None:
@@ -102,7 +102,7 @@ def compare(ref: tuple, got: tuple) -> dict:
     (l_ref, g_ref), (l_got, g_got) = ref, got
     missing = sorted(set(g_ref) ^ set(g_got))
     return {"loss_ref": l_ref.item(), "loss": l_got.item(), "loss_rel_err": _rel_err(l_got, l_ref),
-            "grad_max_rel_err": max((_rel_err(g_got[n], g) for n, g in g_ref.items() if n in g_got), default=0.0),
+            "grad_max_rel_err": worst(_rel_err(g_got[n], g) for n, g in g_ref.items() if n in g_got),
             "grad_keys_differ": missing}
 
 

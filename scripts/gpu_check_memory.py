@@ -293,7 +293,10 @@ def _replay_run(shape: dict, seq: int, dtype: torch.dtype, device: torch.device,
     """``warmup`` steps and one measured step of a GPTModel with all-gather core attention (CP=1) under ``cfg``."""
     from megatron_longctx.megatron.memory_spec import install
 
-    model, _ = build_gpt(shape, seq, dtype, {"cp_algorithm": "allgather"})
+    features = {"cp_algorithm": "allgather"}
+    if dtype == torch.float32 and device.type == "cuda":  # float32 numerics: the reference kernel, by name
+        features["cp_kernel_backend"] = "reference"
+    model, _ = build_gpt(shape, seq, dtype, features)
     model = model.to(device)
     handle = install(model, cfg)
     calls = _AttentionCalls(model)

@@ -58,9 +58,25 @@ def padded_head_dim(d_qk: int, d_v: int, multiple: int) -> int:
     return -(-max(d_qk, d_v) // multiple) * multiple
 
 
-def _pad_to(x: torch.Tensor, d: int) -> torch.Tensor:
-    # [..., d_x] -> [..., d] with zero columns (no copy when already d wide)
+def pad_head_dim(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x`` ``[..., d_x]`` -> ``[..., d]`` with zero columns (exact: see the module doc); no copy when d wide."""
     return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
+
+
+def empty_result(q: torch.Tensor, rows: int, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a block of ``rows`` query rows returns before any piece: out ``[b, rows, h_q, d_v]`` = 0 (q's
+    dtype), lse ``[b, h_q, rows]`` = -inf (the contract's lse dtype)."""
+    b, h_q = q.shape[0], q.shape[2]
+    return (q.new_zeros(b, rows, h_q, d_v),
+            torch.full((b, h_q, rows), float("-inf"), dtype=lse_dtype(q), device=q.device))
+
+
+def zero_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, keys: int) -> tuple[torch.Tensor, ...]:
+    """Zero dq ``[b, rows, h_q, d_qk]``, dk/dv ``[b, keys, h_kv, d]`` to sum pieces into: pieces share keys (never
+    rows), so in at least float32."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return tuple(torch.zeros(t.shape[0], n, *t.shape[2:], dtype=acc, device=t.device)
+                 for t, n in ((q, rows), (k, keys), (v, keys)))
 
 
 # Rows per tile of a block cut by both edges of a band (a sliding window's diagonal block).  Each tile
@@ -145,12 +161,11 @@ def forward(
     d = padded_head_dim(d_qk, d_v, kernel.head_multiple)
     whole = len(pieces) == 1 and pieces[0].q_lo == 0 and pieces[0].q_hi == s_q
     if not whole:
-        out = q.new_zeros(b, s_q, h_q, d_v)
-        lse = torch.full((b, h_q, s_q), float("-inf"), dtype=lse_dtype(q), device=q.device)
+        out, lse = empty_result(q, s_q, d_v)
     for p in pieces:
-        qp = _pad_to(q[:, p.q_lo : p.q_hi], d)  # [b, s_q', h_q, D]
-        kp = _pad_to(k[:, p.k_lo : p.k_hi], d)  # [b, s_k', h_kv, D]
-        vp = _pad_to(v[:, p.k_lo : p.k_hi], d)  # [b, s_k', h_kv, D]
+        qp = pad_head_dim(q[:, p.q_lo : p.q_hi], d)  # [b, s_q', h_q, D]
+        kp = pad_head_dim(k[:, p.k_lo : p.k_hi], d)  # [b, s_k', h_kv, D]
+        vp = pad_head_dim(v[:, p.k_lo : p.k_hi], d)  # [b, s_k', h_kv, D]
         o, l = kernel.forward(qp, kp, vp, args.softmax_scale, p)
         o = o[..., :d_v]  # [b, s_q', h_q, d_v]
         if whole:
@@ -178,21 +193,19 @@ def backward(
     d = padded_head_dim(d_qk, d_v, kernel.head_multiple)
     single = len(pieces) == 1 and (pieces[0].s_q, pieces[0].s_k) == (s_q, s_k)
     if not single:
-        # Pieces share keys (never rows): accumulate dk/dv in at least float32.
-        acc = torch.promote_types(q.dtype, torch.float32)
-        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+        dq, dk, dv = zero_grads(q, k, v, s_q, s_k)
     # Every row of a piece sees a key of it, so its final lse is finite: no row needs the +inf of a
     # row that saw nothing anywhere, and lse goes to the kernel as it is (no full-size masked copy).
     lse = lse.to(lse_dtype(q))  # [b, h_q, s_q]
     for p in pieces:
         rows, keys = slice(p.q_lo, p.q_hi), slice(p.k_lo, p.k_hi)
-        dop = _pad_to(dout[:, rows].to(q.dtype), d)  # [b, s_q', h_q, D]
-        op = _pad_to(out[:, rows].to(q.dtype), d)  # [b, s_q', h_q, D]
+        dop = pad_head_dim(dout[:, rows].to(q.dtype), d)  # [b, s_q', h_q, D]
+        op = pad_head_dim(out[:, rows].to(q.dtype), d)  # [b, s_q', h_q, D]
         gq, gk, gv = kernel.backward(
             dop,
-            _pad_to(q[:, rows], d),
-            _pad_to(k[:, keys], d),
-            _pad_to(v[:, keys], d),
+            pad_head_dim(q[:, rows], d),
+            pad_head_dim(k[:, keys], d),
+            pad_head_dim(v[:, keys], d),
             op,
             lse[:, :, rows].contiguous(),
             args.softmax_scale,

@@ -15,7 +15,7 @@ call (``cum_seq_q``/``cum_seq_k``, ``[T, h, D]`` rows end to end, lse ``[h, T]``
 The other SDPA kernels that return a logsumexp are not used: the memory-efficient kernel pads its
 lse to 32-row tiles, expresses masks only as a dense bias and needs equal head counts; cuDNN's has
 no window arguments.  fp16/bf16 only, head dims up to 256 (after padding to a multiple of 8),
-sm80 or newer.  float32 blocks on CUDA fall back to :mod:`.reference` in automatic selection.
+sm80 or newer.  float32 blocks on CUDA are refused in automatic selection (:mod:`.select`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ class FlashOpPieces:
         )
         return dq, dk, dv
 
-
     def _kind_args(self, kind: tuple[bool, int, int]) -> tuple[bool, dict]:
         causal, left, right = kind
         if causal or (left, right) == (-1, -1):
@@ -81,18 +80,19 @@ class FlashOpPieces:
             raise KernelUnsupported(f"{name}: this torch's flash ops have no window arguments (window {kind[1:]})")
         return False, {"window_size_left": left, "window_size_right": right}
 
-    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, kind):
+    def forward_varlen(self, q, k, v, seqs: varlen.VarlenSeqs):
         """q ``[T, h_q, D]``, k/v ``[T_k, h_kv, D]`` with ``cu_seqlens`` → out ``[T, h_q, D]``, lse ``[h_q, T]``."""
-        causal, windows = self._kind_args(kind)
-        out, lse = self.fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **windows)[:2]
+        causal, windows = self._kind_args(seqs.kind)
+        out, lse = self.fwd_op(q, k, v, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, 0.0, causal, False,
+                               scale=seqs.scale, **windows)[:2]
         return out, lse
 
-    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, kind):
-        causal, windows = self._kind_args(kind)
+    def backward_varlen(self, dout, q, k, v, out, lse, seqs: varlen.VarlenSeqs):
+        causal, windows = self._kind_args(seqs.kind)
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # unused: dropout is 0
         unused = torch.empty(0, device=q.device)
-        return self.bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
-                           scale=scale, **windows)
+        return self.bwd_op(dout, q, k, v, out, lse, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, 0.0, causal,
+                           rng_state, unused, scale=seqs.scale, **windows)
 
     def forward_blocks(self, q, k, v, blocks):
         """Every block's (out, lse), one variable-length call per piece kind (:mod:`.varlen`)."""

@@ -4,7 +4,9 @@ Automatic order: CUDA ``flash_attn`` > ``sdpa_cuda`` > ``reference``; CPU ``cpu_
 ``reference``; any other device ``reference``.  Automatic selection moves to the next backend when
 one cannot serve a case (its ``check`` gives the reason); a backend asked for by name that cannot
 serve the case raises :class:`~.base.KernelUnsupported` with that reason, never computing with
-another backend behind the caller's back.
+another backend behind the caller's back.  On CUDA automatic selection never lands on the O(s²)
+``reference`` (float32 blocks, say): it refuses in one line naming the dtype flags and the backends that
+serve them (float64, the test oracle's dtype, and ``reference`` asked for by name are served).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def kernel_for(
         return backend
     reasons = []
     for candidate in auto_order(q.device):
+        if candidate == "reference" and q.device.type == "cuda" and q.dtype != torch.float64:
+            raise KernelUnsupported(
+                f"{q.dtype} attention on CUDA: no fast kernel serves this block ({'; '.join(reasons)}); train with "
+                "--bf16 or --fp16 (flash_attn, sdpa_cuda), or pass --longctx-cp-kernel-backend reference for the "
+                "O(s^2) reference kernel")
         backend = BACKENDS[candidate]
         reason = backend.check(q, k, v, args)
         if reason is None:

@@ -11,7 +11,8 @@ blocks inside (one call from the algorithm's point of view, the same kernels as 
 Each block's result comes back as that backend's single-block call would return it: out
 ``[b, s_q, h_q, d_v]`` and lse ``[b, h_q, s_q]`` over the block's rows (rows outside every piece
 ``0``/``-inf``), gradients shaped like the block's q, k and v.  Sequence lengths come from the
-blocks (host integers of the cached schedule): nothing is read back from the device.
+blocks (host integers of the cached schedule): nothing is read back from the device, and the ``cu_seqlens``
+of a new packing go up from pinned memory without a host wait (:class:`HostCopies`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from .base import BlockArgs, LiveBlock
-from .driver import _pad_to, lse_dtype, padded_head_dim
+from .driver import empty_result, lse_dtype, pad_head_dim, padded_head_dim, zero_grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,22 +95,83 @@ def _packed(x: torch.Tensor, ranges: list[tuple[int, int]], d: int) -> torch.Ten
         else:
             runs.append([lo, hi])
     parts = [x[:, lo:hi] for lo, hi in runs]
-    y = _pad_to(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), d)
+    y = pad_head_dim(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), d)
     return y.reshape(-1, *y.shape[2:])
 
 
+class HostCopies:
+    """How the host integers of a packed call (``cu_seqlens``, lse rows) reach the device: built in pinned
+    memory and copied without a host wait (``non_blocking``), so a new packing never stalls the CPU behind
+    the compute stream.  Tests substitute a recorder with the same two methods."""
+
+    @staticmethod
+    def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return t.pin_memory() if device.type == "cuda" else t
+
+    @staticmethod
+    def copy(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+        return t.to(device, non_blocking=non_blocking)
+
+
+COPIES = HostCopies()
+
+
+def _upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = COPIES.pin(torch.tensor(values, dtype=dtype), device)
+    return COPIES.copy(host, device, non_blocking=True)
+
+
 @functools.lru_cache(maxsize=256)
-def _cu_seqlens(lengths: tuple[int, ...], batch: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """int32 ``cu_seqlens`` of ``lengths`` repeated for each batch row (batch-major), and the longest.
+def _cu_seqlens(lengths: tuple[int, ...], batch: int, device: torch.device) -> torch.Tensor:
+    """int32 ``cu_seqlens`` of ``lengths`` repeated for each batch row (batch-major), on ``device``.
 
     Cached: a step's lengths come from the cached schedule, so each layer and micro-batch reuses the
-    tensor the first one moved to the device (host values in, no read back)."""
+    tensor the first one moved to the device (host values in, nothing read back)."""
     cu, total = [0], 0
     for _ in range(batch):
         for n in lengths:
             total += n
             cu.append(total)
-    return torch.tensor(cu, dtype=torch.int32).to(device), max(lengths)
+    return _upload(cu, torch.int32, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _padded_rows(lengths: tuple[int, ...], batch: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[T]``: where row ``t`` of the packed rows sits in a per-sequence padded ``[n, max_len]`` grid."""
+    width = max(lengths)
+    index = [i * width + j for i, n in enumerate(lengths * batch) for j in range(n)]
+    return _upload(index, torch.int64, device)
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenSeqs:
+    """One variable-length call's sequences: ``cu_q``/``cu_k`` (int32, on the device), the longest of each,
+    the per-sequence query lengths (host integers, batch-major), the softmax scale and the mask kind
+    (:meth:`~.base.LiveBlock.flash_window`)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    lengths_q: tuple[int, ...]
+    scale: float
+    kind: tuple[bool, int, int]
+
+    def padded_rows(self) -> torch.Tensor:
+        """int64 ``[T]`` index of each packed query row in a ``[sequences, max_q]`` grid (cached on the device)."""
+        return _padded_rows(self.lengths_q, 1, self.cu_q.device)
+
+    def lse_from_padded(self, lse: torch.Tensor) -> torch.Tensor:
+        """lse ``[n, h, max_q]`` (per sequence, padded: flash-attn < 2.6) -> ``[h, T]``."""
+        h = lse.shape[1]
+        return lse.transpose(0, 1).reshape(h, -1)[:, self.padded_rows()]  # [h, n * max_q] -> [h, T]
+
+    def lse_to_padded(self, lse: torch.Tensor) -> torch.Tensor:
+        """lse ``[h, T]`` -> ``[n, h, max_q]`` (rows past a sequence's end 0), contiguous."""
+        h, n = lse.shape[0], len(self.lengths_q)
+        grid = lse.new_zeros(h, n * self.max_q)
+        grid[:, self.padded_rows()] = lse
+        return grid.view(h, n, self.max_q).transpose(0, 1).contiguous()  # [n, h, max_q]
 
 
 class _Kinds:
@@ -130,30 +192,28 @@ class _Kinds:
             seqs[0].q_lo, seqs[0].q_hi, seqs[0].k_lo, seqs[0].k_hi) == (
             blocks[i].q_lo, blocks[i].q_hi, blocks[i].k_lo, blocks[i].k_hi)}
 
-    def cu(self, seqs: list[_Seq], device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        cu_q, max_q = _cu_seqlens(tuple(s.q_hi - s.q_lo for s in seqs), self.batch, device)
-        cu_k, max_k = _cu_seqlens(tuple(s.k_hi - s.k_lo for s in seqs), self.batch, device)
-        return cu_q, cu_k, max_q, max_k
+    def seqs(self, kind, seqs: list[_Seq], device) -> VarlenSeqs:
+        len_q, len_k = tuple(s.q_hi - s.q_lo for s in seqs), tuple(s.k_hi - s.k_lo for s in seqs)
+        return VarlenSeqs(_cu_seqlens(len_q, self.batch, device), _cu_seqlens(len_k, self.batch, device),
+                          max(len_q), max(len_k), len_q * self.batch, self.blocks[seqs[0].block].args.softmax_scale,
+                          kind)
 
 
 def varlen_forward(call, q, k, v, blocks: Sequence[Block], pieces_for: PiecesFn, head_multiple: int):
-    """(out, lse) of every block through ``call(q, k, v, cu_q, cu_k, max_q, max_k, scale, kind)``, one call
-    per kind: q ``[T, h_q, D]``, k/v ``[T_k, h_kv, D]`` → out ``[T, h_q, D]``, lse ``[h_q, T]``."""
+    """(out, lse) of every block through ``call(q, k, v, seqs: VarlenSeqs)``, one call per kind: q
+    ``[T, h_q, D]``, k/v ``[T_k, h_kv, D]`` → out ``[T, h_q, D]``, lse ``[h_q, T]``."""
     b, _, h_q, _ = q.shape
     d_v = v.shape[-1]
     kinds = _Kinds(blocks, pieces_for, q, v, head_multiple)
     results: list = [None] * len(blocks)
     for i, blk in enumerate(blocks):
         if i not in kinds.whole:
-            n = blk.q_hi - blk.q_lo
-            results[i] = (q.new_zeros(b, n, h_q, d_v),
-                          torch.full((b, h_q, n), float("-inf"), dtype=lse_dtype(q), device=q.device))
+            results[i] = empty_result(q, blk.q_hi - blk.q_lo, d_v)
     for kind, seqs in kinds.groups.items():
-        scale = blocks[seqs[0].block].args.softmax_scale
         qp = _packed(q, [(s.q_lo, s.q_hi) for s in seqs], kinds.d)
         kp = _packed(k, [(s.k_lo, s.k_hi) for s in seqs], kinds.d)
         vp = _packed(v, [(s.k_lo, s.k_hi) for s in seqs], kinds.d)
-        out, lse = call(qp, kp, vp, *kinds.cu(seqs, q.device), scale, kind)
+        out, lse = call(qp, kp, vp, kinds.seqs(kind, seqs, q.device))
         total = out.shape[0] // b
         out = out.view(b, total, h_q, kinds.d)[..., :d_v]  # [b, T, h_q, d_v]
         lse = lse.view(h_q, b, total).transpose(0, 1)  # [b, h_q, T]
@@ -171,30 +231,24 @@ def varlen_forward(call, q, k, v, blocks: Sequence[Block], pieces_for: PiecesFn,
     return results
 
 
-def varlen_backward(call, dout, q, k, v, out, lse, blocks: Sequence[Block], pieces_for: PiecesFn,
-                    head_multiple: int):
-    """(dq, dk, dv) of every block through ``call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale,
-    kind)`` (packed like :func:`varlen_forward`; lse ``[h_q, T]``), one call per kind."""
+def varlen_backward(call, dout, q, k, v, out, lse, blocks: Sequence[Block], pieces_for: PiecesFn, head_multiple: int):
+    """(dq, dk, dv) of every block through ``call(dout, q, k, v, out, lse, seqs: VarlenSeqs)`` (packed like
+    :func:`varlen_forward`; lse ``[h_q, T]``), one call per kind."""
     b, _, h_q, d_qk = q.shape
     d_v = v.shape[-1]
     kinds = _Kinds(blocks, pieces_for, q, v, head_multiple)
-    acc = torch.promote_types(q.dtype, torch.float32)  # pieces of one block share keys
     grads: list = [None] * len(blocks)
     for i, blk in enumerate(blocks):
         if i not in kinds.whole:
-            rows, keys = blk.q_hi - blk.q_lo, blk.k_hi - blk.k_lo
-            grads[i] = (torch.zeros(b, rows, h_q, d_qk, dtype=acc, device=q.device),
-                        torch.zeros(b, keys, *k.shape[2:], dtype=acc, device=q.device),
-                        torch.zeros(b, keys, *v.shape[2:], dtype=acc, device=q.device))
+            grads[i] = zero_grads(q, k, v, blk.q_hi - blk.q_lo, blk.k_hi - blk.k_lo)
     lse = lse.to(lse_dtype(q))
     for kind, seqs in kinds.groups.items():
-        scale = blocks[seqs[0].block].args.softmax_scale
         q_rows, k_rows = [(s.q_lo, s.q_hi) for s in seqs], [(s.k_lo, s.k_hi) for s in seqs]
         lse_p = torch.cat([lse[:, :, lo:hi] for lo, hi in q_rows], dim=-1)  # [b, h_q, T]
         lse_p = lse_p.transpose(0, 1).reshape(h_q, -1).contiguous()  # [h_q, b*T]
         dq, dk, dv = call(_packed(dout.to(q.dtype), q_rows, kinds.d), _packed(q, q_rows, kinds.d),
                           _packed(k, k_rows, kinds.d), _packed(v, k_rows, kinds.d),
-                          _packed(out.to(q.dtype), q_rows, kinds.d), lse_p, *kinds.cu(seqs, q.device), scale, kind)
+                          _packed(out.to(q.dtype), q_rows, kinds.d), lse_p, kinds.seqs(kind, seqs, q.device))
         dq = dq.view(b, -1, *dq.shape[1:])[..., :d_qk]  # [b, T, h_q, d_qk]
         dk = dk.view(b, -1, *dk.shape[1:])[..., :d_qk]  # [b, T_k, h_kv, d_qk]
         dv = dv.view(b, -1, *dv.shape[1:])[..., :d_v]

@@ -48,15 +48,19 @@ _FA2 = ("FlashAttention-2 fwd+bwd reaches ~35% of H100 bf16 peak (FlashAttention
 _FA3 = "FlashAttention-3 fwd 60-75%, bwd 45-55% of H100 bf16 peak (Shah et al. 2024)"
 _CUDNN = ("cuDNN 9 fused attention (TE) ~ FlashAttention-3 class on Hopper; 0.53 x CP_STEP_FACTOR 0.6 = 0.32 "
           "reproduces NeMo's Llama-2-7B H100 long-sequence table (6 rows, 32K-1M) within 4%")
+_CUDNN_B200 = ("cuDNN fused attention on B200 at head dim 128: ~0.55 of bf16 peak fwd, ~0.45 bwd (FlashAttention-4 "
+               "paper's cuDNN 9.13 baseline), 0.475 fwd+bwd in the 7·s²·H count")
 ATTENTION: dict[tuple[str, str], Band] = {
     ("hopper", "te_cudnn"): Band(0.47, 0.53, 0.60, _CUDNN),
     ("hopper", "flash_attn3"): Band(0.45, 0.53, 0.62, _FA3),
     ("hopper", "flash_attn2"): Band(0.30, 0.35, 0.40, _FA2),
     ("hopper", "sdpa_cuda"): Band(0.30, 0.35, 0.40, _FA2 + "; SDPA's flash kernel is FlashAttention-2"),
     ("hopper", "auto"): Band(0.30, 0.35, 0.40, _FA2 + "; auto serves flash-attn 2 or SDPA's FA2 on NGC"),
-    # Blackwell: NeMo's Llama-3-8B B200 FP8 table holds ~1,600 model TFLOP/s (NeMo convention) at 1M with
-    # TE/cuDNN where attention dominates: ~0.35 of the 2,250 bf16 peak in-step, i.e. ~0.58 alone.
-    ("blackwell", "te_cudnn"): Band(0.50, 0.58, 0.66, "NeMo Llama-3-8B B200 FP8 long-sequence table, /0.6"),
+    # Blackwell, from the kernels (in this planner's 7·s²·H count, bwd = 2.5 x fwd): B200's BF16 tensor cores
+    # doubled Hopper's while the exponential units and shared memory did not, so cuDNN's fused attention at
+    # head dim 128 reaches ~0.55 of the 2,250 TFLOP/s peak forward (FlashAttention-4, Zadouri et al. 2026:
+    # 71%, 1.3x cuDNN 9.13) and ~0.45 backward (shared-memory bound): 7 / (2/0.55 + 5/0.45) ~ 0.475 alone.
+    ("blackwell", "te_cudnn"): Band(0.40, 0.475, 0.55, _CUDNN_B200),
     ("blackwell", "flash_attn3"): Band(0.25, 0.32, 0.40, "FA3 targets Hopper's wgmma; on Blackwell ~ FA2"),
     ("blackwell", "flash_attn2"): Band(0.20, 0.27, 0.34, "FA2 (mma.sync) on Blackwell: below its Hopper share"),
     ("blackwell", "sdpa_cuda"): Band(0.20, 0.27, 0.34, "SDPA's flash kernel = FA2 on Blackwell"),
@@ -72,7 +76,10 @@ ATTENTION: dict[tuple[str, str], Band] = {
 # cuDNN's 0.53 to NeMo's table (above).  The plugin's kernels run the zigzag block schedule of
 # ring-flash-attention, which keeps 0.90 of one flash-attn call on 8 x H800 at 8K tokens per GPU
 # (ANCHORS.md; its plain ring keeps 0.54).  gpu_check's ring section measures it (--calibrate).
-CP_STEP_FACTOR = {"te_cudnn": 0.6}
+# Blackwell's TE rows keep the zigzag ring's 0.90: its shards are 32K-64K tokens per rank, where the per-step
+# merges and launches are a few percent of a block; the Hopper 0.6 is a fit on H100 runs, not a property of
+# the ring, and is not carried to another GPU generation.
+CP_STEP_FACTOR = {("hopper", "te_cudnn"): 0.6, ("ampere", "te_cudnn"): 0.6}
 PLUGIN_CP_STEP_FACTOR = 0.9
 
 # GEMMs: Megatron/TE bf16 GEMMs of a 4K-8K hidden model reach 55-70% of dense peak in training steps
@@ -109,7 +116,7 @@ class Efficiencies:
 
 def default_efficiencies(family: str, backend: str, fp8: bool) -> Efficiencies:
     return Efficiencies(attention_band(family, backend), MATMUL_FP8 if fp8 else MATMUL_BF16,
-                        CP_STEP_FACTOR.get(backend, PLUGIN_CP_STEP_FACTOR))
+                        CP_STEP_FACTOR.get((family, backend), PLUGIN_CP_STEP_FACTOR))
 
 
 def resolve(family: str, backend: str, fp8: bool, *, attention: Optional[float] = None,

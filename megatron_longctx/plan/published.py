@@ -26,6 +26,9 @@ from .search import evaluate
 NEMO_H100 = ((32, 2, 2, 8, 610), (64, 4, 2, 8, 574), (128, 4, 4, 8, 555), (256, 4, 8, 8, 549),
              (512, 8, 16, 4, 549), (1024, 8, 32, 4, 536))
 TOKENS_PER_STEP = 4 << 20
+# NeMo's Llama-3-8B FP8 DGX-B200 rows with CP (NeMo 25.04): (K tokens, TP, CP, DP, TFLOP/s per GPU, batch)
+NEMO_B200 = ((32, 1, 4, 2, 1624, 128), (64, 1, 4, 4, 1600, 64), (128, 2, 4, 4, 1588, 32), (256, 4, 4, 4, 1590, 16),
+             (512, 4, 8, 4, 1619, 8), (1024, 4, 16, 4, 1608, 4))
 
 
 def nemo_rows(attention_efficiency: Optional[float] = None) -> list[dict]:
@@ -45,6 +48,22 @@ def nemo_rows(attention_efficiency: Optional[float] = None) -> list[dict]:
                      "predicted_range_s": [fast, slow], "ratio": plan.time.total / published,
                      "attention_share": plan.time.attention / plan.time.total, "fits": plan.fits,
                      "peak_gib": plan.memory.peak / (1 << 30)})
+    return rows
+
+
+def nemo_b200_rows() -> list[dict]:
+    """Published and predicted step seconds of the B200 table (its own batch sizes), planner defaults."""
+    m, hw = presets.model("llama3-8b"), presets.gpu("b200")
+    eff = resolve(hw.family, "te_cudnn", True)
+    rows = []
+    for k, tp, cp, dp, tflops, gbs in NEMO_B200:
+        s = k * 1024
+        par = Parallel(tp=tp, cp=cp, dp=dp, micro_batches=gbs // dp)
+        plan = evaluate(m, s, tp * cp * dp, hw, par, MemoryOptions(fp8=True, attention_backend="te_cudnn"), eff)
+        published = model_flops(m, s, gbs, "nemo") / (tflops * 1e12 * tp * cp * dp)
+        rows.append({"seq_k": k, "tp": tp, "cp": cp, "dp": dp, "published_tflops": tflops,
+                     "published_step_s": published, "predicted_step_s": plan.time.total,
+                     "ratio": plan.time.total / published, "attention_share": plan.time.attention / plan.time.total})
     return rows
 
 

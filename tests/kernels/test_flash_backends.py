@@ -14,6 +14,7 @@ import torch
 
 from megatron_longctx.kernels import BlockArgs, BlockMask, KernelUnsupported, driver, flash_attn, reference, sdpa_cuda
 
+from . import flash_attn_releases as releases
 from . import flash_emulation
 from .cases import CASES, make_inputs
 
@@ -77,72 +78,6 @@ def test_flash_attn_absent_says_so():
     assert flash_attn.available(torch.device("cuda")) == "flash-attn is not installed"
 
 
-# Stand-ins with the signatures of flash-attn's Python entry points (flash_attn/flash_attn_interface.py at
-# v2.5.0, v2.6.3, v2.8.3; hopper/flash_attn_interface.py since July 2025), computing with the emulation.
-
-
-def _fa_forward(q, k, v, scale, causal, window):
-    out, lse, *_ = flash_emulation.flash_forward(
-        q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
-        scale=scale, window_size_left=window[0], window_size_right=window[1],
-    )
-    return out, lse
-
-
-def _fa_backward_into(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, left, right):
-    grads = flash_emulation.flash_backward(
-        dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 0.0, causal, None, None,
-        scale=scale, window_size_left=left, window_size_right=right,
-    )
-    for buf, g in zip((dq, dk, dv), grads):
-        buf.copy_(g)
-
-
-def fa2_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-             alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    out, lse = _fa_forward(q, k, v, softmax_scale, causal, window_size)
-    return (out, lse, None) if return_attn_probs else out
-
-
-def fa2_backward_v250(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
-                      alibi_slopes, deterministic, rng_state=None):
-    _fa_backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, *window_size)
-
-
-def fa2_backward_v263(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, rng_state=None):
-    _fa_backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, *window_size)
-
-
-def fa2_backward_v283(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                      window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
-    _fa_backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size_left,
-                      window_size_right)
-
-
-FA2_RELEASES = {"2.5.0": fa2_backward_v250, "2.6.3": fa2_backward_v263, "2.8.3": fa2_backward_v283}
-
-
-def fa3_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
-             window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
-             sm_margin=0, return_attn_probs=False):
-    out, lse = _fa_forward(q, k, v, softmax_scale, causal, window_size)
-    return (out, lse) if return_attn_probs else out
-
-
-def fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
-                 max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left=-1, window_size_right=-1,
-                 softcap=0.0, deterministic=False, sm_margin=0):
-    _fa_backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal, window_size_left,
-                      window_size_right)
-
-
-def fa3_backward_feb_2025(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
-                          max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
-                          sink_token_length=0, softcap=0.0, deterministic=False, sm_margin=0):
-    raise AssertionError("must not be called")
-
-
 def check_pieces_kernel(kernel, case):
     q, k, v, dout = make_inputs(case, torch.float64)
     args = case.args()
@@ -159,28 +94,64 @@ def check_pieces_kernel(kernel, case):
 FEW = [c for c in CASES if c.name in ("causal_diagonal", "window_both_tall", "gqa", "mla_dqk_gt_dv", "single_query")]
 
 
-@pytest.mark.parametrize("release", sorted(FA2_RELEASES))
+fa2_kernel, fa3_kernel = releases.fa2_kernel, releases.fa3_kernel
+
+
+@pytest.mark.parametrize("release", sorted(releases.FA2_RELEASES))
 @pytest.mark.parametrize("case", FEW, ids=lambda c: c.name)
 def test_flash_attn_2_adapter_per_release(release, case):
-    from packaging.version import Version
-
-    fa2 = types.SimpleNamespace(version=Version(release), func=fa2_func, backward=FA2_RELEASES[release])
-    check_pieces_kernel(flash_attn._FlashAttn2Pieces(fa2), case)
+    check_pieces_kernel(fa2_kernel(release), case)
 
 
 @pytest.mark.parametrize("case", FEW, ids=lambda c: c.name)
 def test_flash_attn_3_adapter(case):
-    fa3 = types.SimpleNamespace(flash_attn_func=fa3_func, _flash_attn_backward=fa3_backward)
-    check_pieces_kernel(flash_attn._FlashAttn3Pieces(fa3), case)
+    check_pieces_kernel(fa3_kernel(), case)
 
 
-@pytest.mark.parametrize("backward, usable", [(fa3_backward, True), (fa3_backward_feb_2025, False)])
-def test_flash_attn_3_interface_gate(monkeypatch, backward, usable):
+def test_flash_attn_2_probe_reads_each_release_signature():
+    """The varlen lse layout and the window keywords come from the signatures, not the version number."""
+    from packaging.version import Version
+
+    got = {r: flash_attn.fa2_entry_points(i, Version("2.9")) for r, i in releases.FA2_RELEASES.items()}
+    assert {r: g.padded_lse for r, g in got.items()} == {"2.5.0": True, "2.6.3": False, "2.7.4": False, "2.8.3": False}
+    styles = {r: flash_attn._window_style(g.varlen_backward_params) for r, g in got.items()}
+    assert styles == {"2.5.0": "pair", "2.6.3": "pair", "2.7.4": "split", "2.8.3": "split"}
+    broken = types.SimpleNamespace(**vars(releases.FA2_RELEASES["2.8.3"]))
+    broken.flash_attn_varlen_func = lambda q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: None
+    reason = flash_attn.fa2_entry_points(broken, Version("2.8.3"))
+    assert isinstance(reason, str) and "flash_attn_varlen_func" in reason and "window_size" in reason
+
+
+@pytest.mark.parametrize("entry, usable", [("current", True), ("feb_2025_backward", False), ("no_window_forward", False)])
+def test_flash_attn_3_interface_gate(monkeypatch, entry, usable):
     module = types.ModuleType("flash_attn_interface")
-    module.flash_attn_func, module._flash_attn_backward = fa3_func, backward
+    module.flash_attn_func, module.flash_attn_varlen_func = releases.fa3_flash_attn_func, releases.fa3_flash_attn_varlen_func
+    module._flash_attn_backward = releases.fa3_flash_attn_backward
+    if entry == "feb_2025_backward":
+        module._flash_attn_backward = releases.fa3_backward_feb_2025
+    if entry == "no_window_forward":
+        module.flash_attn_varlen_func = lambda q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, \
+            softmax_scale=None, causal=False, return_attn_probs=False: None
     monkeypatch.setitem(sys.modules, "flash_attn_interface", module)
     got = flash_attn._fa3.__wrapped__()
     if usable:
         assert got is module
-    else:
+    elif entry == "feb_2025_backward":
         assert isinstance(got, str) and "window_size_left" in got and "is_causal" in got
+    else:
+        assert isinstance(got, str) and "flash_attn_varlen_func" in got and "window_size" in got
+
+
+@pytest.mark.parametrize("op, stand_in", [
+    (torch.ops.aten._flash_attention_forward, flash_emulation.flash_forward),
+    (torch.ops.aten._flash_attention_backward, flash_emulation.flash_backward)], ids=["forward", "backward"])
+def test_the_emulated_torch_ops_have_this_torchs_schema(op, stand_in):
+    """The CPU stand-ins take exactly the arguments of this torch's flash ops (names, order, keyword-only)."""
+    import inspect
+
+    schema = op.default._schema.arguments
+    params = list(inspect.signature(stand_in).parameters.values())
+    wanted = [a.name for a in schema if a.name not in ("seqused_k", "alibi_slopes", "block_table", "num_splits")]
+    assert [p.name for p in params] == wanted
+    keyword_only = {a.name for a in schema if a.kwarg_only}
+    assert {p.name for p in params if p.kind is p.KEYWORD_ONLY} == keyword_only & set(wanted)

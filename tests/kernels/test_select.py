@@ -53,3 +53,25 @@ def test_auto_order_per_device():
     assert kernels.select.auto_order("cpu") == ("cpu_flash", "reference")
     assert kernels.select.auto_order("meta") == ("reference",)
     assert get_kernel(None, "meta") is reference
+
+
+def test_float32_on_cuda_is_refused_in_one_line_not_served_by_the_quadratic_reference(monkeypatch):
+    """Automatic selection on CUDA never falls back to ``reference``: the error names the dtype flags and the
+    backends that serve them.  (A stand-in for a CUDA tensor: selection reads only device and dtype.)"""
+    import types
+
+    from megatron_longctx.kernels import flash_attn, sdpa_cuda
+
+    monkeypatch.setattr(flash_attn, "check", lambda q, k, v, args: "flash_attn supports float16 and bfloat16")
+    monkeypatch.setattr(sdpa_cuda, "check", lambda q, k, v, args: "sdpa_cuda (flash) supports float16 and bfloat16")
+    monkeypatch.setattr(reference, "check", lambda q, k, v, args: None)
+    q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    with pytest.raises(KernelUnsupported) as err:
+        kernel_for(q, q, q, BlockArgs(0.3))
+    message = str(err.value)
+    assert "\n" not in message and "torch.float32" in message
+    assert "--bf16" in message and "--fp16" in message and "flash_attn" in message and "sdpa_cuda" in message
+    assert "--longctx-cp-kernel-backend reference" in message
+    assert kernel_for(q, q, q, BlockArgs(0.3), preferred="reference") is reference  # asked for: served
+    q64 = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float64)
+    assert kernel_for(q64, q64, q64, BlockArgs(0.3)) is reference  # the oracle's dtype

@@ -19,6 +19,7 @@ from megatron_longctx.kernels import driver, reference, sdpa_cuda, select, varle
 from megatron_longctx.kernels.base import BlockArgs, BlockMask
 from tests.dist import run_ranks
 
+from . import flash_attn_releases as releases
 from . import flash_emulation
 
 
@@ -102,18 +103,97 @@ def test_blocks_in_one_call_per_kind_match_each_block_and_float64(shape):
 
 def _emulated_sdpa(ops: _Counted) -> types.SimpleNamespace:
     """A ``sdpa_cuda`` backend on the CPU over the counted emulation (production arithmetic, emulated ops)."""
-    kernel = ops.kernel()
-    return types.SimpleNamespace(
-        name="sdpa_cuda", available=lambda device: None, check=lambda q, k, v, args: None,
-        forward=lambda q, k, v, args: driver.forward(kernel, driver.flash2_pieces(args, q.shape[1], k.shape[1]),
-                                                     q, k, v, args),
-        backward=lambda dout, q, k, v, out, lse, args: driver.backward(
-            kernel, driver.flash2_pieces(args, q.shape[1], k.shape[1]), dout, q, k, v, out, lse, args),
-        forward_blocks=kernel.forward_blocks, backward_blocks=kernel.backward_blocks)
+    return _module("sdpa_cuda", ops.kernel())
 
 
-def _packed_ring(lengths, causal, window):
-    """64 documents at CP=4: the emulated flash backend against float64 ``reference``, and its calls."""
+def _module(name: str, kernel) -> types.SimpleNamespace:
+    return flash_emulation.emulated_backend(name, kernel)
+
+
+def _release_kernel(release: str):
+    return releases.fa3_kernel() if release == "fa3" else releases.fa2_kernel(release)
+
+
+RELEASES = ["2.5.0", "2.6.3", "2.7.4", "2.8.3", "fa3"]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_flash_attn_releases_blocks_in_one_call_per_kind(release):
+    """Every flash-attn release's varlen schema (emulated): one call per kind, each block as float64."""
+    b, hq, hkv, d = 2, 4, 2, 16
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(b, 64, hq, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, 60, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(b, 64, hq, d, generator=gen, dtype=torch.float64)
+    blocks = _blocks(d ** -0.5)
+    kernel = _release_kernel(release)
+    before = dict(releases.CALLS)
+    got = kernel.forward_blocks(q, k, v, blocks)
+    out = torch.zeros(b, 64, hq, d, dtype=torch.float64)
+    lse = torch.full((b, hq, 64), float("-inf"), dtype=torch.float64)
+    for blk, (o, l) in zip(blocks, got):
+        rows, keys = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
+        ref = reference.forward(q[:, rows], k[:, keys], v[:, keys], blk.args)
+        assert_close(o, ref[0], rtol=1e-12, atol=1e-12)
+        assert_close(l, ref[1], rtol=1e-12, atol=1e-12)
+        out[:, rows], lse[:, :, rows] = o, l
+    grads = kernel.backward_blocks(dout, q, k, v, out, lse, blocks)
+    for blk, g in zip(blocks, grads):
+        rows, keys = slice(blk.q_lo, blk.q_hi), slice(blk.k_lo, blk.k_hi)
+        ref = reference.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
+                                 blk.args)
+        for x, y in zip(g, ref):
+            assert_close(x, y, rtol=1e-12, atol=1e-12)
+    calls = {n: releases.CALLS[n] - before.get(n, 0) for n in ("forward", "backward", "varlen_forward",
+                                                               "varlen_backward")}
+    assert calls == {"forward": 0, "backward": 0, "varlen_forward": 3, "varlen_backward": 3}
+
+
+class _Recorder:
+    """Stands in for :class:`~megatron_longctx.kernels.varlen.HostCopies`: records every host-to-device copy,
+    whether its source was pinned and whether the host waited for it."""
+
+    def __init__(self):
+        self.copies: list[tuple[bool, bool]] = []
+        self._pinned: set[int] = set()
+
+    def pin(self, t, device):
+        self._pinned.add(id(t))
+        return t
+
+    def copy(self, t, device, non_blocking):
+        self.copies.append((id(t) in self._pinned, non_blocking))
+        return t
+
+    def blocking(self, since: int = 0) -> int:
+        return sum(1 for pinned, non_blocking in self.copies[since:] if not (pinned and non_blocking))
+
+
+@pytest.mark.parametrize("release", ["sdpa_cuda", "2.5.0", "2.8.3"])
+def test_packed_steps_copy_nothing_blocking_and_nothing_at_all_after_the_first(monkeypatch, release):
+    recorder = _Recorder()
+    monkeypatch.setattr(varlen, "COPIES", recorder)
+    varlen._cu_seqlens.cache_clear()
+    varlen._padded_rows.cache_clear()
+    kernel = _Counted().kernel() if release == "sdpa_cuda" else _release_kernel(release)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 64, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 60, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    blocks = _blocks(8 ** -0.5)
+    per_step = []
+    for _ in range(3):  # three steps (layers) of one packing
+        before = len(recorder.copies)
+        out_lse = kernel.forward_blocks(q, k, v, blocks)
+        out = torch.cat([o for o, _ in out_lse], dim=1)[:, :64]
+        lse = torch.cat([l for _, l in out_lse], dim=-1)[..., :64]
+        kernel.backward_blocks(q, q, k, v, out, lse, blocks)
+        per_step.append((len(recorder.copies) - before, recorder.blocking(before)))
+    assert per_step[0][0] > 0 and [s[1] for s in per_step] == [0, 0, 0]  # pinned, no host wait
+    assert [s[0] for s in per_step[1:]] == [0, 0]  # the same packing: every tensor from the cache
+
+
+def _packed_ring(lengths, causal, window, release="sdpa_cuda"):
+    """64 documents at CP=4: an emulated flash backend against float64 ``reference``, and its calls."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     packing = Packing.from_lengths(lengths, cp)
     gen = torch.Generator().manual_seed(3)
@@ -123,42 +203,55 @@ def _packed_ring(lengths, causal, window):
     results = {}
     ops = _Counted()
     per_step: list[tuple[int, int]] = []  # (blocks given, kernel calls made) per many-block forward
+    backward_calls = []
+
+    if release == "sdpa_cuda":
+        name, fake = "sdpa_cuda", _emulated_sdpa(ops)
+        forward_calls = lambda: ops.forward_calls  # noqa: E731
+        backward_count = lambda: ops.backward_calls  # noqa: E731
+    else:
+        name, fake = "flash_attn", _module("flash_attn", _release_kernel(release))
+        forward_calls = lambda: releases.CALLS["varlen_forward"] + releases.CALLS["forward"]  # noqa: E731
+        backward_count = lambda: releases.CALLS["varlen_backward"] + releases.CALLS["backward"]  # noqa: E731
 
     def counting(many):
         @functools.wraps(many)
         def call(q_, k_, v_, blocks):
-            before = ops.forward_calls
+            before = forward_calls()
             out = many(q_, k_, v_, blocks)
-            per_step.append((len(blocks), ops.forward_calls - before))
+            per_step.append((len(blocks), forward_calls() - before))
             return out
         return call
 
-    fake = _emulated_sdpa(ops)
     fake.forward_blocks = counting(fake.forward_blocks)
-    saved = select.BACKENDS["sdpa_cuda"]
-    select.BACKENDS["sdpa_cuda"] = fake
+    saved = select.BACKENDS[name]
+    select.BACKENDS[name] = fake
     try:
-        for backend in ("reference", "sdpa_cuda"):
+        for backend in ("reference", name):
+            if backend == name:
+                backward_before = backward_count()
             local = [shard_packed(x, packing, rank, cp).requires_grad_() for x in (q, k, v)]
             out = cp_attention_packed(*local, dist.group.WORLD, packing, algorithm="ring", causal=causal,
                                       window_size=window, backend=backend)
             out.backward(shard_packed(dout, packing, rank, cp))
             results[backend] = [unshard_packed(x, packing, dist.group.WORLD)
                                 for x in (out.detach(), *(x.grad for x in local))]
+        backward_calls = backward_count() - backward_before
     finally:
-        select.BACKENDS["sdpa_cuda"] = saved
-    for got, ref in zip(results["sdpa_cuda"], results["reference"]):
+        select.BACKENDS[name] = saved
+    for got, ref in zip(results[name], results["reference"]):
         assert_close(got, ref, rtol=1e-10, atol=1e-10)
     mask = BlockMask(causal, window or (-1, -1))
     steps = len(schedule.ring_schedule(SeqLayout(packing, cp), mask).offsets)  # every rank runs every step
-    return per_step, steps, ops.backward_calls
+    return per_step, steps, backward_calls
 
 
+@pytest.mark.parametrize("release", ["sdpa_cuda"] + RELEASES)
 @pytest.mark.parametrize("causal,window", [(True, None), (True, (24, 0)), (False, None)],
                          ids=["causal", "window", "full"])
-def test_a_packed_ring_step_is_a_few_kernel_calls_not_one_per_document(causal, window):
+def test_a_packed_ring_step_is_a_few_kernel_calls_not_one_per_document(causal, window, release):
     lengths = tuple(16 + 8 * (i % 5) for i in range(64))  # 64 documents of 16-48 tokens
-    per_rank = run_ranks(4, _packed_ring, lengths, causal, window)
+    per_rank = run_ranks(4, _packed_ring, lengths, causal, window, release)
     for per_step, steps, backward_calls in per_rank:
         assert len(per_step) == steps  # one many-block call per ring step
         assert max(blocks for blocks, _ in per_step) >= 16  # steps of many documents' blocks...
