@@ -239,7 +239,8 @@ def state_offload_lines(plan: Plan) -> list[str]:
     lines += [f"  one layer ({so.layer_params / 1e6:,.1f}M parameters) per micro-batch: {so.weights_in / 1e9:.2f} GB "
               f"of bf16 weights in for the forward and again for the backward ({link}: {layer.weights_in_s:.3f} s "
               f"each), {so.grads_out / 1e9:.2f} GB of main grads out ({layer.grads_out_s:.3f} s)",
-              f"  against its compute: forward {layer.forward_s:.3f} s, recompute + backward {layer.backward_s:.3f} s: "
+              f"  against its compute: forward {layer.forward_s:.3f} s, "
+              f"{'recompute + ' if plan.options.recompute == 'full' else ''}backward {layer.backward_s:.3f} s: "
               + ("copies hidden" if layer.hidden else f"{layer.exposed_s:.3f} s exposed per layer")
               + f"; embedding and output layer {so.other_copies_s(hw):.3f} s exposed",
               f"  optimizer step on the CPU (AdamW{', moments through NVMe' if so.target == 'disk' else ''}): "
