@@ -7,6 +7,8 @@ import copy
 import errno
 import os
 import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from megatron_longctx.memory.host_pool import HostPool
 from megatron_longctx.memory.offdevice_optimizer import STATE_FILE, OffDeviceAdamW, OffDeviceSpec
 from megatron_longctx.memory.offload_disk import DiskOffloadError
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHUNK = 4096
 SHAPES = [(3, 5000), (7001,), (64,), (2, 4096)]  # several chunks, a ragged tail, one small, one exact
 
@@ -165,3 +168,36 @@ def test_full_disk_during_a_step_leaves_the_previous_state(tmp_path):
                 torch.testing.assert_close(state_now["state"][i][key], t, rtol=0, atol=0)
         assert os.path.basename(opt.path) == STATE_FILE
         opt.close()
+
+
+def test_file_size_limit_during_a_step_leaves_the_previous_state_in_a_child(tmp_path):
+    """Without root (no tmpfs): RLIMIT_FSIZE below one moments file makes the step's write fail with EFBIG."""
+    code = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        sys.path.insert(0, {ROOT!r})
+        from tests.memory.test_offdevice_optimizer import _grads, _ours, _params, _run
+        from megatron_longctx.memory.offload_disk import DiskOffloadError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG
+        params = _params()
+        opt = _ours(params, "disk", {str(tmp_path)!r})
+        _run(opt, params, 1)
+        after_one = [p.detach().clone() for p in params]
+        on_disk = open(opt.path, "rb").read()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (len(on_disk) // 2, resource.RLIM_INFINITY))
+        _grads(params, 1)
+        try:
+            opt.step()
+        except DiskOffloadError as exc:
+            print("ERROR", exc.errno, exc)
+        print("PARAMS", all(torch.equal(a, b) for a, b in zip(params, after_one)))
+        print("FILE", open(opt.path, "rb").read() == on_disk, len(on_disk))
+        opt.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    out = proc.stdout
+    file_bytes = 2 * 4 * sum(p.numel() for p in _params())
+    assert f"ERROR {errno.EFBIG}" in out, out + proc.stderr
+    assert "--longctx-offload-disk-dir" in out and str(tmp_path) in out and str(file_bytes) in out, out
+    assert "PARAMS True" in out and f"FILE True {file_bytes}" in out, out
+    assert os.listdir(tmp_path) == []  # the run directory removed on close
