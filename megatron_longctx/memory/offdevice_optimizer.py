@@ -92,11 +92,11 @@ class OffDeviceAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.spec = spec
         need = spec.buffers * spec.pool.charge(spec.chunk * _F32)
-        if spec.pool.capacity - spec.pool.held < need:
-            raise ValueError(f"{FLAG} {spec.target}: the staging pool has {spec.pool.capacity - spec.pool.held} "
-                             f"free of {spec.pool.capacity} bytes; one chunk of {spec.chunk} elements needs "
-                             f"{need} bytes ({spec.buffers} buffers): raise --longctx-offload-host-pool-bytes to "
-                             f"at least {need + spec.pool.held}")
+        free = spec.pool.capacity - spec.pool.used  # cached buffers are evicted for it
+        if free < need:
+            raise ValueError(f"{FLAG} {spec.target}: the staging pool has {free} free of {spec.pool.capacity} "
+                             f"bytes; one chunk of {spec.chunk} elements needs {need} bytes ({spec.buffers} "
+                             f"buffers): raise --longctx-offload-host-pool-bytes to at least {need + spec.pool.used}")
         for p in self._params():
             if p.device.type != "cpu" or p.dtype != torch.float32:
                 raise ValueError(f"{FLAG}: the off-device AdamW updates float32 host tensors, got "
