@@ -2,7 +2,7 @@
 
 Changes are tried from the cheapest for the user to the most expensive: turning off Megatron's dense
 dataloader mask; dropping the choices fixed on the command line; more host memory (when only the host
-is short); a feature this package does not have yet (model-state offload, ``docs/model-state-offload.md``);
+is short); model-state offload (``--longctx-model-state-offload``, ``docs/model-state-offload.md``);
 more GPUs (the smallest multiple that fits); a shorter sequence (the longest that fits).
 """
 
@@ -102,10 +102,10 @@ def _smallest_change(m: ModelShape, s: int, n: int, hw: Hardware, c: Constraints
                 f"on it; now {hw.host_memory_gib:.0f}) for {describe(host_need)}, "
                 f"{host_need.memory.peak / GIB:.1f} GiB per GPU.")
     if not c.model_state_offload:
-        plan = _try(m, s, n, hw, dataclasses.replace(c, model_state_offload=True, optimizer_offload=None), mb, eff)
+        plan = _try(m, s, n, hw, dataclasses.replace(c, model_state_offload="host", optimizer_offload=None), mb, eff)
         if plan:
-            return (f"model-state offload (bf16 weights streamed per layer from host, grads sent to host; not a "
-                    f"feature yet, see docs/model-state-offload.md; --model-state-offload models it): "
+            return (f"model-state offload (--longctx-model-state-offload host: bf16 weights streamed per layer from "
+                    f"host memory, grads accumulated there, AdamW on the CPU; docs/model-state-offload.md): "
                     f"{describe(plan)}, {plan.memory.peak / GIB:.1f} GiB and {plan.memory.host_offload / GIB:.0f} GiB "
                     f"of host memory per GPU.")
     factor = 2

@@ -22,16 +22,17 @@ from typing import Callable, Optional
 from . import presets
 from .efficiency import ATTENTION_BACKENDS, load_calibration, resolve
 from .flops import model_flops
-from .model import GIB, GRAD_DTYPES, ModelShape
+from .model import GIB, GRAD_DTYPES, MODEL_STATE_TARGETS, ModelShape
 from .recommend import recommend
 from .search import CP_COMM_TYPES, Constraints, Plan, PlanInfeasible, describe
+from .state_offload import state_offload
 from .timing import Hardware, StepTime, ring_overlap_tokens
 
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                  "ffn_hidden_size", "vocab_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size")
 _GPU_FIELDS = {"gpu_memory_gib": "memory_gib", "bf16_tflops": "bf16_tflops", "fp8_tflops": "fp8_tflops",
                "nvlink_gbps": "intra_node_gbps", "network_gbps": "inter_node_gbps", "host_link_gbps": "host_gbps",
-               "host_memory_gib": "host_memory_gib"}
+               "host_memory_gib": "host_memory_gib", "nvme_gbps": "nvme_gbps"}
 
 
 def _integer(flag: str, minimum: int = 1) -> Callable[[str], int]:
@@ -125,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--create-attention-mask-in-dataloader", action=argparse.BooleanOptionalAction, default=False,
                    help="count Megatron's dense [b, 1, s, s] dataloader mask (Megatron's default is on; the plan "
                         "turns it off)")
-    j.add_argument("--model-state-offload", action="store_true",
-                   help="model bf16 weights streamed per layer from host and grads sent to host (not a feature "
-                        "yet: docs/model-state-offload.md)")
+    j.add_argument("--model-state-offload", nargs="?", const="host", choices=MODEL_STATE_TARGETS, default=None,
+                   help="--longctx-model-state-offload host|disk (no value: host): bf16 weights streamed per layer "
+                        "from host memory or NVMe, grads accumulated on the host, AdamW on the CPU "
+                        "(docs/model-state-offload.md)")
     p.add_argument("--max-seq", action="store_true",
                    help="also print the longest sequence these GPUs train, with and without model-state offload")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
@@ -217,11 +219,33 @@ def format_plan(plan: Plan) -> str:
         lines.append("note: te_cudnn times Megatron's own Transformer Engine attention and CP (as NeMo runs), not this "
                      "package's attention: the Megatron flags below apply to pretrain_gpt.py run directly; under "
                      "megatron_longctx.launch the plugin's attention replaces it")
-    if plan.options.model_state_offload:
-        lines.append("note: model-state offload is modelled, not implemented (docs/model-state-offload.md); "
-                     "the flags below cannot run this plan yet")
+    lines += state_offload_lines(plan)
     lines += ["", "flags:", "  " + shlex.join(megatron_flags(plan)), "  " + shlex.join(longctx_flags(plan))]
     return "\n".join(lines)
+
+
+def state_offload_lines(plan: Plan) -> list[str]:
+    """Model-state offload: what stays off the GPU, what one layer moves per micro-batch, whether it hides."""
+    so = state_offload(plan.model, plan.parallel, plan.options, plan.memory.stage)
+    if so is None:
+        return []
+    hw, t = plan.hardware, plan.time
+    fwd_s = t.layer_forward_s
+    layer = so.layer_copies(hw, fwd_s, plan.options.recompute == "full")
+    lines = ["", f"model-state offload ({so.target}), per GPU:"]
+    lines += [f"  host: {name:<32}{value / GIB:>9.1f} GiB" for name, value in so.host_parts().items() if value]
+    lines += [f"  disk: {name:<32}{value / GIB:>9.1f} GiB" for name, value in so.disk_parts().items()]
+    link = f"NVMe {hw.nvme_gbps:.0f} GB/s then PCIe" if so.target == "disk" else "PCIe"
+    lines += [f"  one layer ({so.layer_params / 1e6:,.1f}M parameters) per micro-batch: {so.weights_in / 1e9:.2f} GB "
+              f"of bf16 weights in for the forward and again for the backward ({link}: {layer.weights_in_s:.3f} s "
+              f"each), {so.grads_out / 1e9:.2f} GB of main grads out ({layer.grads_out_s:.3f} s)",
+              f"  against its compute: forward {layer.forward_s:.3f} s, "
+              f"{'recompute + ' if plan.options.recompute == 'full' else ''}backward {layer.backward_s:.3f} s: "
+              + ("copies hidden" if layer.hidden else f"{layer.exposed_s:.3f} s exposed per layer")
+              + f"; embedding and output layer {so.other_copies_s(hw):.3f} s exposed",
+              f"  optimizer step on the CPU (AdamW{', moments through NVMe' if so.target == 'disk' else ''}): "
+              f"{so.optimizer_step_s(hw):.1f} s per step"]
+    return lines
 
 
 def warnings(plan: Plan) -> list[str]:
@@ -238,9 +262,10 @@ def max_seq_lines(m: ModelShape, num_gpus: int, hw: Hardware, c: Constraints, mb
     from .advice import longest_sequence
 
     lines = [f"longest sequence {num_gpus} x {hw.name} trains ({m.name}):"]
-    for label, cons in (("with today's features", dataclasses.replace(c, model_state_offload=False)),
-                        ("with model-state offload (docs/model-state-offload.md)",
-                         dataclasses.replace(c, model_state_offload=True, optimizer_offload=None))):
+    target = c.model_state_offload or "host"
+    for label, cons in (("without model-state offload", dataclasses.replace(c, model_state_offload=None)),
+                        (f"with model-state offload (--longctx-model-state-offload {target})",
+                         dataclasses.replace(c, model_state_offload=target, optimizer_offload=None))):
         best = longest_sequence(m, num_gpus, hw, cons, mb, eff)
         if best is None:
             lines.append(f"  {label}: none (not even {8192:,} tokens)")

@@ -22,12 +22,14 @@ from megatron_longctx.config import (
 
 from .model import GIB, ModelShape
 from .search import Plan
+from .state_offload import state_offload
 
 # Megatron's --cp-comm-type -> the plugin's algorithm (the plugin's "auto" follows --cp-comm-type too).
 _ALGORITHM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}
 # The planner's attention backends that name one of the plugin's kernels (auto: the plugin picks).
 _KERNEL = {"flash_attn2": "flash_attn", "flash_attn3": "flash_attn", "sdpa_cuda": "sdpa_cuda"}
 HOST_POOL_MARGIN = 1.1
+MODEL_STATE_FIELD = "model_state_offload"  # --longctx-model-state-offload host|disk
 
 
 def longctx_options(plan: Plan) -> dict[str, Any]:
@@ -44,15 +46,23 @@ def longctx_options(plan: Plan) -> dict[str, Any]:
         out.update(offload_policy="layers", offload_num_layers=0)
     if opt.recompute_tiles > 1:  # the plugin runs the full recompute it replays in tiles (all-gather CP above)
         out.update(recompute_granularity="full", recompute_tiles=opt.recompute_tiles)
-    if opt.offload != "none":  # every micro-batch in flight on the first pipeline stage
-        activation_host = plan.memory.activation_host * plan.parallel.in_flight
-        out["offload_host_pool_bytes"] = int(math.ceil(activation_host * HOST_POOL_MARGIN / GIB)) * GIB
+    so = state_offload(plan.model, par, opt, plan.memory.stage)
+    if opt.offload != "none" or so is not None:  # every micro-batch in flight on the first pipeline stage
+        pinned = plan.memory.activation_host * plan.parallel.in_flight if opt.offload != "none" else 0.0
+        pinned += so.pinned if so is not None else 0.0  # model states share the pool's bound
+        out["offload_host_pool_bytes"] = int(math.ceil(pinned * HOST_POOL_MARGIN / GIB)) * GIB
+    if so is not None and _config_has(MODEL_STATE_FIELD):
+        out[MODEL_STATE_FIELD] = so.target
     if opt.tiled_mlp_tiles > 1:
         out["tiled_mlp_tiles"] = opt.tiled_mlp_tiles
     if opt.tiled_loss_tiles > 1:
         out["tiled_loss_tiles"] = opt.tiled_loss_tiles
     LongContextConfig.from_flat(out)  # validates names, values and combinations (raises ValueError)
     return out
+
+
+def _config_has(name: str) -> bool:
+    return name in _defaults()
 
 
 def _defaults() -> dict[str, Any]:
@@ -72,6 +82,9 @@ def longctx_flags(plan: Plan) -> list[str]:
             argv += [flag_name(name), *map(str, value)]
         else:
             argv += [flag_name(name), str(value)]
+    target = plan.options.model_state_offload
+    if target and not _config_has(MODEL_STATE_FIELD):  # the config section comes with the weight streaming
+        argv += ["--longctx-" + MODEL_STATE_FIELD.replace("_", "-"), target]
     return argv
 
 

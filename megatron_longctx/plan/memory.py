@@ -21,6 +21,7 @@ from dataclasses import field
 
 from .efficiency import GQA_EXPANDING_BACKENDS
 from .model import GIB, LayerActivations, MemoryOptions, ModelShape, Parallel, check_recompute_tiles, layer_activations
+from .state_offload import state_offload
 from .states import model_states
 
 RESERVED_GIB = 3.0
@@ -51,6 +52,7 @@ class MemoryBreakdown:
     stage: str = "first"  # which pipeline stage is the peak ("first" or "last"; PP = 1: the only one)
     per_layer: LayerActivations = field(repr=False, default=None)
     grads_bf16: bool = False  # main grads kept in bf16 (--main-grads-dtype bf16)
+    disk_offload: float = 0.0  # bytes on the local NVMe for this GPU (model-state offload to disk)
 
     @property
     def model_states(self) -> float:
@@ -71,7 +73,7 @@ class MemoryBreakdown:
                 ("layer working set", self.working), ("attention workspace", self.attention_workspace),
                 ("SP all-gather (TP)", self.sp_gather), ("logits + loss", self.logits),
                 ("dataloader mask", self.dataloader_mask), ("reserved", self.reserved), ("peak", self.peak),
-                ("host (offload)", self.host_offload)]
+                ("host (offload)", self.host_offload), ("disk (model states)", self.disk_offload)]
         return [(n, v) for n, v in rows if v or n in ("peak", "weights (bf16)", grads, "activations saved")]
 
     def dominant(self) -> tuple[str, float]:
@@ -208,12 +210,13 @@ def _stage_memory(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, stag
     else:
         workspace = attention_workspace_bytes(m, s, par, e) + fa2_gqa_bytes(m, s, par, opt)
     mask = par.micro_batch * float(s) * s if opt.dataloader_mask else 0.0
-    host = in_flight * act_host + states.host
+    streamed = state_offload(m, par, opt, stage)  # model-state offload's host and NVMe bytes
+    host = in_flight * act_host + states.host + (streamed.host if streamed else 0.0)
     if opt.dataloader_mask:
         host += MASK_HOST_BYTES_PER_ELEMENT * par.micro_batch * float(s) * s
     return MemoryBreakdown(
         weights=states.weights, grads=states.grads, optimizer=states.optimizer, activations=activations,
         working=working, attention_workspace=workspace, sp_gather=sp_gather, logits=logits,
         dataloader_mask=mask, reserved=reserved_gib * GIB, host_offload=host, activation_host=act_host, stage=stage, per_layer=largest,
-        grads_bf16=opt.main_grads_dtype == "bf16",
+        grads_bf16=opt.main_grads_dtype == "bf16", disk_offload=streamed.disk if streamed else 0.0,
     )

@@ -26,6 +26,11 @@ GRAD_DTYPES = ("fp32", "bf16")
 # hybrid_optimizer.py) keeps per offloaded parameter: a pinned fp32 copy of the parameter (the master),
 # a pinned fp32 copy of its gradient (cpu_copy_map_grad) and torch Adam's exp_avg and exp_avg_sq (fp32).
 OPTIMIZER_HOST_BYTES_PER_PARAM = 16
+# Model-state offload (--longctx-model-state-offload, docs/model-state-offload.md): per parameter, off the GPU.
+MODEL_STATE_TARGETS = ("host", "disk")
+WEIGHT_BYTES = 2  # bf16 weights (the off-device copy the layers stream from)
+MASTER_BYTES = 4  # fp32 master weights (Megatron's mixed-precision optimizer's copies, on the host)
+MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32 (host memory, or the moments file on disk)
 # TE's FP8 GEMMs cache an FP8 copy of each weight and, on Hopper, its transpose (1 byte each).
 FP8_WEIGHT_CACHE_BYTES = 2
 
@@ -198,7 +203,7 @@ class MemoryOptions:
     fp8: bool = False  # FP8 GEMMs through Transformer Engine (--fp8-format hybrid)
     attention_backend: str = "auto"  # the attention kernel (efficiency.ATTENTION_BACKENDS)
     dataloader_mask: bool = False  # Megatron's --create-attention-mask-in-dataloader (dense [b, 1, s, s])
-    model_state_offload: bool = False  # bf16 weights streamed per layer from host, grads sent to host (docs/)
+    model_state_offload: Optional[str] = None  # --longctx-model-state-offload host|disk (None: off)
 
     def __post_init__(self) -> None:
         from .efficiency import ATTENTION_BACKENDS
@@ -208,11 +213,15 @@ class MemoryOptions:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend!r}: choose one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.model_state_offload not in (None, *MODEL_STATE_TARGETS):
+            raise ValueError(f"--model-state-offload {self.model_state_offload!r}: choose one of "
+                             f"{', '.join(MODEL_STATE_TARGETS)}")
         if self.model_state_offload and self.fsdp:
             raise ValueError("--model-state-offload streams whole layers from host memory; it does not combine "
                              "with --megatron-fsdp (drop one)")
-        if self.model_state_offload and not self.optimizer_offload:
-            raise ValueError("--model-state-offload keeps the optimizer on the host too: add --optimizer-offload")
+        if self.model_state_offload and self.optimizer_offload:
+            raise ValueError("--model-state-offload runs its own AdamW off the device: drop --optimizer-offload "
+                             "(Megatron's --optimizer-cpu-offload)")
         for name, allowed in (("attention_impl", ATTENTION_IMPLS), ("recompute", RECOMPUTE), ("offload", OFFLOAD)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")

@@ -63,7 +63,7 @@ class Constraints:
     fp8: bool = False
     attention_backend: str = "auto"
     dataloader_mask: bool = False
-    model_state_offload: bool = False
+    model_state_offload: Optional[str] = None  # --longctx-model-state-offload host|disk
 
     def __post_init__(self) -> None:
         if self.cp_comm_type is not None and self.cp_comm_type not in CP_COMM_TYPES:
@@ -76,8 +76,9 @@ class Constraints:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {value}: give an integer >= 1")
-        if self.model_state_offload and self.optimizer_offload is False:
-            raise ValueError("--model-state-offload keeps the optimizer on the host: drop --no-optimizer-offload")
+        if self.model_state_offload and self.optimizer_offload:
+            raise ValueError("--model-state-offload runs its own AdamW off the device: drop --optimizer-offload "
+                             "(Megatron's --optimizer-cpu-offload)")
         tiles = self.recompute_tiles or 1
         if tiles > 1 and self.recompute not in (None, "full"):
             raise ValueError(f"--recompute-tiles {tiles} replays the layers of full recompute in tiles: add "
@@ -86,7 +87,7 @@ class Constraints:
             raise ValueError(f"--recompute-tiles {tiles} gathers K/V once per layer over CP: add --cp-comm-type "
                              "all_gather (or --cp 1), or drop --recompute-tiles")
         MemoryOptions(main_grads_dtype=self.main_grads_dtype, attention_backend=self.attention_backend,
-                      fsdp=self.fsdp, recompute="full" if tiles > 1 else "none",
+                      fsdp=self.fsdp, model_state_offload=self.model_state_offload, recompute="full" if tiles > 1 else "none",
                       recompute_tiles=tiles)  # validates the job's settings
 
     def fixed(self) -> dict:
@@ -242,8 +243,8 @@ def _memory_options(c: Constraints, tokens_per_gpu: float, replay: bool = False)
     else:
         replays = tile_choices(tokens_per_gpu, REPLAY_TOKENS_PER_TILE) if replay else (1,)
     loss = tile_choices(tokens_per_gpu, LOSS_TOKENS_PER_TILE) if c.tiled_loss_tiles is None else (c.tiled_loss_tiles,)
-    if c.model_state_offload:
-        opt_off: tuple[bool, ...] = (True,)
+    if c.model_state_offload:  # its own optimizer off the device replaces Megatron's
+        opt_off: tuple[bool, ...] = (False,)
     else:
         opt_off = (False, True) if c.optimizer_offload is None else (c.optimizer_offload,)
     job = dict(main_grads_dtype=c.main_grads_dtype, fsdp=c.fsdp, fp8=c.fp8, attention_backend=c.attention_backend,
@@ -338,5 +339,5 @@ def describe(plan: Plan) -> str:
                                                       if opt.recompute_tiles > 1 else "")
              + (", optimizer on host" if opt.optimizer_offload else ""))
     if opt.model_state_offload:
-        text += ", model states on host"
+        text += f", model states on {opt.model_state_offload}"
     return text

@@ -10,9 +10,9 @@ Megatron-Core's choices, each with its bytes per parameter of this GPU's pipelin
 * Megatron-FSDP (``--use-megatron-fsdp``, ``optim_grads_params``, ZeRO-3): weights and gradients sharded
   too, with the current and the prefetched layer unsharded;
 * FP8 GEMMs (TE): an FP8 copy of every layer weight and its transpose (2 bytes);
-* model-state offload (not in Megatron; ``docs/model-state-offload.md``): bf16 weights live in pinned
-  host memory and stream in one layer at a time, gradients stream out to the hybrid optimizer's host
-  gradient buffers; the GPU keeps two layers of each (in use and in flight).
+* model-state offload (``--longctx-model-state-offload host|disk``, :mod:`.state_offload`): bf16 weights
+  stream in one layer at a time from host memory or NVMe, gradients stream out and accumulate on the
+  host, the optimizer runs on the CPU; the GPU keeps two slots of each (in use and in flight).
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ def stage_params(m: ModelShape, par: Parallel, stage: str = "first") -> StagePar
                        max(per_layer, matrix))
 
 
+SLOTS = 2  # model-state offload's device slots per streamed kind: the block in use and the one in flight
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelStates:
     weights: float
@@ -78,10 +81,9 @@ def model_states(m: ModelShape, par: Parallel, opt: MemoryOptions, stage: str = 
     fp8 = FP8_WEIGHT_CACHE_BYTES * sp.layer_gemm if opt.fp8 else 0.0
     if opt.model_state_offload:
         # Two blocks resident (in use + in flight) for the weights and for the gradients on their way out.
-        weights = 2 * 2 * sp.largest_unit + (2 * FP8_WEIGHT_CACHE_BYTES * sp.largest_unit if opt.fp8 else 0.0)
-        grads = 2 * g * sp.largest_unit
-        host = 2 * sp.total + OPTIMIZER_HOST_BYTES_PER_PARAM * sp.total
-        return ModelStates(weights, grads, 0.0, host)
+        weights = SLOTS * 2 * sp.largest_unit + (SLOTS * FP8_WEIGHT_CACHE_BYTES * sp.largest_unit if opt.fp8 else 0.0)
+        grads = SLOTS * g * sp.largest_unit
+        return ModelStates(weights, grads, 0.0, 0.0)  # the host's and disk's share: .state_offload
     if opt.fsdp:
         unsharded = 2 * sp.largest_unit  # current layer and the prefetched one, gathered
         weights = 2 * sharded + 2 * unsharded + fp8

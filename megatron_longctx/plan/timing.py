@@ -26,6 +26,7 @@ from typing import Optional
 
 from .flops import attention_hidden, model_flops
 from .model import MemoryOptions, ModelShape, Parallel, check_recompute_tiles, param_counts
+from .state_offload import HOST_ADAM_PARAMS_PER_S, state_offload
 from .states import stage_params
 
 OFFLOAD_CONTENTION = 0.05  # share of a hidden device<->host copy that still slows compute
@@ -35,7 +36,6 @@ TILE_OVERHEAD_S = 1e-4  # per tile and pass of tiled MLP / tiled loss / tiled re
 # FLOPs (collect in forward and backward, the K/V-gradient pass's forward and its dgrad + wgrad).
 REPLAY_PASSES = 5
 REPLAY_QKV_FORWARDS = 5
-HOST_ADAM_PARAMS_PER_S = 1e9  # CPU Adam throughput available to one GPU's optimizer shard
 FAMILIES = ("hopper", "blackwell", "ampere")
 
 
@@ -54,11 +54,14 @@ class Hardware:
     fp8_tflops: float = 0.0  # dense FP8 peak (0: no FP8 tensor cores)
     family: str = "hopper"  # GPU generation: picks the default efficiencies
     link_efficiency: float = 0.8  # achieved / nominal bandwidth
+    # Local NVMe read/write per GPU (GB/s): a DGX H100/H200 node's eight U.2 data drives in RAID 0 reach
+    # ~50 GB/s together (NVIDIA DGX H100 user guide), shared by 8 GPUs.  Model-state offload's disk tier.
+    nvme_gbps: float = 6.0
     step_latency_s: float = 20e-6  # one ring step / collective launch
 
     def __post_init__(self) -> None:
         for name in ("memory_gib", "bf16_tflops", "intra_node_gbps", "inter_node_gbps", "host_gbps",
-                     "host_memory_gib", "gpus_per_node"):
+                     "host_memory_gib", "gpus_per_node", "nvme_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}: got {getattr(self, name)}; give a positive number")
         if self.fp8_tflops < 0:
@@ -115,6 +118,7 @@ class StepTime:
     offload_exposed: float
     model_flops_per_gpu: float  # Megatron's num_floating_point_operations of the step / GPUs (no recompute)
     micro_batches: int = 1
+    layer_forward_s: float = 0.0  # one layer's forward on this GPU (what a layer's copies hide behind)
 
     @property
     def total(self) -> float:
@@ -238,7 +242,7 @@ def step_time(m: ModelShape, s: int, par: Parallel, opt: MemoryOptions, hw: Hard
     useful = model_flops(m, s, b * mb, "megatron") / (t * par.cp * pp)
     return StepTime(matmul_s * mb / pp, attention_s * mb / pp, cp_s * mb / pp, tp_s * mb / pp, bubble, pp_comm,
                     _dp_exposed_s(m, par, opt, hw), mb * off_s + _optimizer_host_s(m, par, opt, hw),
-                    useful, mb)
+                    useful, mb, mm_fwd_layer / rate + attn_fwd_s)
 
 
 def _dp_exposed_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: Hardware) -> float:
@@ -254,14 +258,18 @@ def _dp_exposed_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: Hardware
 
 
 def _optimizer_host_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: Hardware) -> float:
-    """Host optimizer step: fp32 grads down, params up, CPU Adam (once a step, not overlapped)."""
+    """Host optimizer step, once a step and not overlapped: Megatron's hybrid optimizer (fp32 grads down,
+    params up, CPU Adam), or model-state offload's CPU AdamW (its grads are on the host already and its
+    weights stay there; ``disk`` adds the moments' NVMe traffic)."""
+    so = state_offload(m, par, opt)
+    if so is not None:
+        return so.optimizer_step_s(hw)
     if not opt.optimizer_offload:
         return 0.0
     sp = stage_params(m, par)
     host_link = hw.host_gbps * 1e9 * hw.link_efficiency
-    shard = sp.total if opt.model_state_offload else sp.total / max(par.dp * par.cp, 1)
-    moved = 2 * shard if opt.model_state_offload else 6 * shard  # streamed grads are on the host already
-    return moved / host_link + shard / HOST_ADAM_PARAMS_PER_S
+    shard = sp.total / max(par.dp * par.cp, 1)
+    return 6 * shard / host_link + shard / HOST_ADAM_PARAMS_PER_S
 
 
 def _activation_offload_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: Hardware, host_bytes: float,
@@ -270,10 +278,10 @@ def _activation_offload_s(m: ModelShape, par: Parallel, opt: MemoryOptions, hw: 
     host_link = hw.host_gbps * 1e9 * hw.link_efficiency
     off_s = 0.0
     sp = stage_params(m, par)
-    if opt.model_state_offload:  # per layer: weights in for forward and again for backward, grads out
-        g = 4 if opt.main_grads_dtype == "fp32" else 2
-        per_layer = (2 * 2 + g) * sp.total / sp.layers / host_link
-        off_s += sp.layers * (max(0.0, per_layer - 3 * fwd_layer_s) + OFFLOAD_CONTENTION * per_layer)
+    so = state_offload(m, par, opt)
+    if so is not None:  # per layer: weights in for the forward and again for the backward, grads out
+        layer = so.layer_copies(hw, fwd_layer_s, opt.recompute == "full")
+        off_s += sp.layers * (layer.exposed_s + OFFLOAD_CONTENTION * layer.copy_s) + so.other_copies_s(hw)
     act = host_bytes
     if act > 0:  # activations: copy out in forward, back in backward, one layer at a time
         per_layer = act / sp.layers / host_link

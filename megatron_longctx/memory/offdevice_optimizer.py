@@ -1,0 +1,307 @@
+"""AdamW whose state lives off the compute device: in host memory (``host``) or in a file on a local disk
+(``disk``), updated chunk by chunk on the CPU.
+
+The update is PyTorch's single-tensor AdamW (Loshchilov & Hutter, arXiv:1711.05101: decoupled weight
+decay, bias-corrected moments), element for element in the same order of operations, so a float32 run
+equals ``torch.optim.AdamW(foreach=False)`` bit for bit.  It is a ``torch.optim.Optimizer`` with the usual
+``param_groups`` (``lr``, ``weight_decay``, ``betas``, ``eps`` per group, as Megatron's parameter groups set
+them), so it serves as the inner optimizer of Megatron's ``FP32Optimizer`` /
+``Float16OptimizerWithFloat16Params``: gradient clipping, loss scaling and the bf16 master copies stay
+Megatron's.  Its ``state_dict`` has torch's AdamW layout (``step``, ``exp_avg``, ``exp_avg_sq`` per
+parameter), so checkpoints written with one load into the other.
+
+The parameters it is given are the fp32 master weights and must be host tensors (with model-state
+offload Megatron's optimizer sees the off-device copies).  Where the two moments (8 bytes per parameter)
+live:
+
+* ``host``: one host tensor each; every chunk is updated in place.  Staging: one chunk for the
+  denominator.
+* ``disk``: one file ``adamw-moments.bin`` (``[exp_avg | exp_avg_sq]`` float32 per parameter, in
+  parameter order) in a run directory under ``--longctx-offload-disk-dir``.  A step runs in two passes
+  through a staging pool of three chunks (the two moments and the denominator): pass 1 reads each
+  chunk's moments, updates them and writes them to ``adamw-moments.bin.tmp``; the file is fsynced and
+  renamed over the previous one (and the directory fsynced).  Pass 2 reads the new moments back and
+  updates the parameters.  AdamW's moments do not depend on the parameters, so the split changes no
+  bit; and a failed write (a full disk, a file-size limit) leaves the parameters, the step counts and
+  the previous file as they were: one :class:`DiskOffloadError` names the flag, the path and the bytes.
+
+The staging buffers come from a :class:`~megatron_longctx.memory.host_pool.HostPool` (pinned when a GPU is
+present, the bound the activation offload shares); a pool too small for them is refused at construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+import torch
+
+from .host_pool import HostPool
+from .offload_disk import FLAG as DISK_FLAG
+from .offload_disk import RunDir, disk_error, read_file
+
+FLAG = "--longctx-model-state-offload"
+TARGETS = ("host", "disk")
+STATE_FILE = "adamw-moments.bin"
+_ALIGN = 4096  # chunk length multiple (elements): chunks split parameters where torch's vector loops do
+_F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class OffDeviceSpec:
+    """Where the optimizer's moments live and how it stages them."""
+
+    target: str  # "host" or "disk"
+    pool: HostPool  # staging buffers (the host pool's bound)
+    disk_dir: Optional[str] = None  # root of the run directory for "disk"
+    chunk_numel: int = 1 << 22  # elements per chunk (rounded up to a multiple of 4096)
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"{FLAG} {self.target!r}: choose one of {', '.join(TARGETS)}")
+        if self.target == "disk" and not self.disk_dir:
+            raise ValueError(f"{FLAG} disk needs a directory: set {DISK_FLAG}")
+        if self.chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be positive, got {self.chunk_numel}")
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.chunk_numel // _ALIGN) * _ALIGN
+
+    @property
+    def buffers(self) -> int:
+        """Staging buffers one chunk needs: the denominator, and the two moments for ``disk``."""
+        return 3 if self.target == "disk" else 1
+
+
+class OffDeviceAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with its moments off the device; see the module docstring."""
+
+    def __init__(self, params: Iterable[Any], spec: OffDeviceSpec, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 **unused: Any) -> None:
+        for name in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+            if unused.pop(name, False):
+                raise ValueError(f"{FLAG}: the off-device AdamW does not support {name}=True")
+        unused.pop("foreach", None)
+        if unused:
+            raise TypeError(f"unexpected arguments {sorted(unused)}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.spec = spec
+        need = spec.buffers * spec.pool.charge(spec.chunk * _F32)
+        free = spec.pool.capacity - spec.pool.used  # cached buffers are evicted for it
+        if free < need:
+            raise ValueError(f"{FLAG} {spec.target}: the staging pool has {free} free of {spec.pool.capacity} "
+                             f"bytes; one chunk of {spec.chunk} elements needs {need} bytes ({spec.buffers} "
+                             f"buffers): raise --longctx-offload-host-pool-bytes to at least {need + spec.pool.used}")
+        for p in self._params():
+            if p.device.type != "cpu" or p.dtype != torch.float32:
+                raise ValueError(f"{FLAG}: the off-device AdamW updates float32 host tensors, got "
+                                 f"{p.dtype} on {p.device}; the parameters Megatron's optimizer holds must be "
+                                 "the off-device copies")
+        self.staging_peak = 0  # most staging bytes held at once (the cost bound)
+        self._staged = 0
+        self._run_dir = RunDir(spec.disk_dir) if spec.target == "disk" else None
+        self._offsets = self._layout()
+
+    # ------------------------------------------------------------------ layout and staging
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _layout(self) -> dict[int, int]:
+        """Byte offset of each parameter's ``[exp_avg | exp_avg_sq]`` in the moments file."""
+        offsets, at = {}, 0
+        for p in self._params():
+            offsets[id(p)] = at
+            at += 2 * p.numel() * _F32
+        self._file_bytes = at
+        return offsets
+
+    @property
+    def path(self) -> Optional[str]:
+        return None if self._run_dir is None else os.path.join(self._run_dir.path, STATE_FILE)
+
+    @contextlib.contextmanager
+    def _staging(self) -> Iterator[list[torch.Tensor]]:
+        pool, bufs = self.spec.pool, []
+        try:
+            for _ in range(self.spec.buffers):
+                buf = pool.take(self.spec.chunk * _F32)
+                if buf is None:
+                    raise RuntimeError(f"{FLAG}: the host pool has no room for a staging chunk of "
+                                       f"{self.spec.chunk * _F32} bytes ({pool.held} of {pool.capacity} held)")
+                bufs.append(buf)
+                self._staged += pool.charge(buf.numel())
+                self.staging_peak = max(self.staging_peak, self._staged)
+            yield [b.view(torch.float32) for b in bufs]
+        finally:
+            for buf in bufs:
+                self._staged -= pool.charge(buf.numel())
+                pool.give(buf)
+
+    def _chunks(self, p: torch.Tensor) -> Iterator[tuple[int, int]]:
+        n, step = p.numel(), self.spec.chunk
+        for lo in range(0, n, step):
+            yield lo, min(lo + step, n)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []  # (group, param, new step count) of every parameter with a gradient
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{FLAG}: the off-device AdamW does not take sparse gradients")
+                state = self.state[p]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    if self._run_dir is None:
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                work.append((group, p, float(state["step"].item()) + 1))
+        with self._staging() as bufs:
+            if self._run_dir is None:
+                for group, p, step in work:
+                    state = self.state[p]
+                    for lo, hi in self._chunks(p):
+                        m, v = state["exp_avg"].view(-1)[lo:hi], state["exp_avg_sq"].view(-1)[lo:hi]
+                        _moments(group, p.grad.reshape(-1)[lo:hi], m, v)
+                        _update(group, step, p.view(-1)[lo:hi], m, v, bufs[0][:hi - lo])
+                    state["step"].fill_(step)
+            else:
+                self._disk_step(work, bufs)
+        return loss
+
+    def _disk_step(self, work: list, bufs: list[torch.Tensor]) -> None:
+        m_buf, v_buf, denom = bufs
+        stepped = {id(p): (group, step) for group, p, step in work}
+        old = self.path if os.path.exists(self.path) else None
+        with self._writer() as write:  # pass 1: new moments into the temporary file, committed at exit
+            for p in self._params():
+                base = self._offsets[id(p)]
+                for lo, hi in self._chunks(p):
+                    m, v = self._read(old, p, lo, hi, m_buf, v_buf)
+                    if id(p) in stepped:
+                        _moments(stepped[id(p)][0], p.grad.reshape(-1)[lo:hi], m, v)
+                    write(m, base + lo * _F32)
+                    write(v, base + (p.numel() + lo) * _F32)
+        for group, p, step in work:  # pass 2: the parameters from the committed moments
+            for lo, hi in self._chunks(p):
+                m, v = self._read(self.path, p, lo, hi, m_buf, v_buf)
+                _update(group, step, p.view(-1)[lo:hi], m, v, denom[:hi - lo])
+            self.state[p]["step"].fill_(step)
+
+    def _read(self, path: Optional[str], p: torch.Tensor, lo: int, hi: int, m_buf: torch.Tensor,
+              v_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``[lo, hi)`` of ``p``'s two moments from ``path`` into the staging buffers (zeros: no file)."""
+        m, v = m_buf[:hi - lo], v_buf[:hi - lo]
+        if path is None or "step" not in self.state.get(p, {}):
+            m.zero_()
+            v.zero_()
+            return m, v
+        base, n = self._offsets[id(p)], (hi - lo) * _F32
+        read_file(path, n, base + lo * _F32, out=m.view(torch.uint8))
+        read_file(path, n, base + (p.numel() + lo) * _F32, out=v.view(torch.uint8))
+        return m, v
+
+    @contextlib.contextmanager
+    def _writer(self) -> Iterator[Any]:
+        """``write(tensor, offset)`` into ``<file>.tmp``; fsynced and renamed over ``<file>`` on success, removed
+        (the previous file untouched) on failure."""
+        tmp = self.path + ".tmp"
+        fd = None
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+            def write(t: torch.Tensor, offset: int) -> None:
+                view = memoryview(t.view(torch.uint8).numpy())
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], offset + done)
+
+            yield write
+            os.fsync(fd)
+            os.close(fd)
+            fd = None
+            os.rename(tmp, self.path)
+            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise disk_error(f"writing {self._file_bytes} bytes of optimizer state ({FLAG} disk) to", tmp,
+                             exc) from exc
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's AdamW layout: ``step``, ``exp_avg``, ``exp_avg_sq`` per parameter (read from the file for
+        ``disk``)."""
+        sd = super().state_dict()
+        if self._run_dir is None:
+            return sd
+        index = {id(p): i for i, p in enumerate(self._params())}
+        for p in self._params():
+            if "step" not in self.state.get(p, {}):
+                continue
+            m, v = torch.empty_like(p).view(-1), torch.empty_like(p).view(-1)
+            base, n = self._offsets[id(p)], p.numel() * _F32
+            read_file(self.path, n, base, out=m.view(torch.uint8))
+            read_file(self.path, n, base + n, out=v.view(torch.uint8))
+            sd["state"][index[id(p)]] = {"step": self.state[p]["step"].clone(), "exp_avg": m.view_as(p),
+                                         "exp_avg_sq": v.view_as(p)}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._run_dir is None:
+            return
+        with self._writer() as write:
+            for p in self._params():
+                state = self.state.get(p, {})
+                base = self._offsets[id(p)]
+                for key, at in (("exp_avg", base), ("exp_avg_sq", base + p.numel() * _F32)):
+                    t = state.pop(key, None)
+                    write(torch.zeros(p.numel()) if t is None else t.detach().float().contiguous().view(-1), at)
+
+    def close(self) -> None:
+        """Remove the run directory (``disk``)."""
+        if self._run_dir is not None:
+            self._run_dir.remove()
+
+
+def _moments(group: dict, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+    """Adam's moment updates of one chunk, in place (torch's ``_single_tensor_adam`` operations)."""
+    beta1, beta2 = group["betas"]
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+
+def _update(group: dict, step: float, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+            denom: torch.Tensor) -> None:
+    """The decoupled decay and the bias-corrected step of one chunk of ``p`` (``denom``: scratch, like ``p``)."""
+    beta1, beta2 = group["betas"]
+    lr, wd = group["lr"], group["weight_decay"]
+    if wd != 0:
+        p.mul_(1 - lr * wd)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    torch.sqrt(v, out=denom)
+    denom.div_(bias_correction2**0.5).add_(group["eps"])
+    p.addcdiv_(m, denom, value=-step_size)
+

@@ -1,0 +1,164 @@
+"""Model-state offload (``--longctx-model-state-offload host|disk``) from what it moves: bytes and times.
+
+What the feature does (``docs/model-state-offload.md``): every transformer layer's bf16 weights (and the
+embedding's and output layer's) live off the GPU and come into one of two device slots one layer ahead on
+a side stream, for the forward and again for the recompute and backward; as a layer's backward ends its
+gradients leave the GPU and accumulate off it (fp32 main grads, 4 bytes, or 2 with
+``--main-grads-dtype bf16``); the optimizer is an AdamW on the CPU over Megatron's fp32 master weights
+(:mod:`megatron_longctx.memory.offdevice_optimizer`).  Per parameter of this GPU's stage:
+
+======================  ==============================  ==========================================
+                        ``host``                        ``disk``
+======================  ==============================  ==========================================
+bf16 weights (2)        pinned host memory              NVMe, through two pinned layer slots
+fp32 master (4)         host (Megatron's copies)        host (Megatron's copies)
+Adam moments (8)        host                            NVMe (+ 8 for the step's temporary file)
+main grads (4 | 2)      host, accumulated               host, accumulated
+======================  ==============================  ==========================================
+
+Per layer and micro-batch the host link carries ``2·P`` bytes in for the forward, ``2·P`` in again for
+the recompute/backward and ``g·P`` out (PCIe is full duplex: the outgoing gradients share the backward
+with the incoming weights).  A copy hides behind the compute of the layer before it: forward behind one
+layer forward, the backward's behind the recompute and backward (3 forwards under full recompute, else
+2).  ``disk`` reads the weights off NVMe into the pinned slots (the slower of NVMe and PCIe bounds it),
+and the step's optimizer reads the moments, writes the new ones and reads them back (24 bytes per
+parameter) and writes the updated bf16 weights (2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .model import MASTER_BYTES, MOMENT_BYTES, WEIGHT_BYTES, MemoryOptions, ModelShape, Parallel, param_counts
+from .states import SLOTS, stage_params
+
+Hardware = Any  # .timing.Hardware (timing builds on this module): host_gbps, link_efficiency, nvme_gbps
+
+DISK_STEP_BYTES_PER_PARAM = 3 * MOMENT_BYTES + WEIGHT_BYTES  # moments read, written, read back; weights written
+# The off-device AdamW's staging (memory.offdevice_optimizer): 4M-element fp32 chunks; the denominator, and
+# the two moments read from disk.
+OPTIMIZER_CHUNK_BYTES = 4 * (1 << 22)
+OPTIMIZER_STAGING_CHUNKS = {"host": 1, "disk": 3}
+HOST_ADAM_PARAMS_PER_S = 1e9  # CPU AdamW throughput available to one GPU's parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class StateOffload:
+    """Bytes model-state offload keeps off the GPU and moves, for one GPU of one pipeline stage."""
+
+    target: str  # "host" or "disk"
+    layers: int  # transformer layers on the stage
+    layer_params: float  # one transformer layer's parameters on this GPU (TP-sharded)
+    total_params: float  # all the stage's parameters on this GPU (layers, embeddings, norms)
+    largest_unit: float  # the largest streamed block (a layer or an embedding matrix)
+    grad_bytes: int  # bytes of a main gradient element (4 fp32, 2 bf16)
+
+    @property
+    def weights_in(self) -> float:
+        """Bytes of one layer's bf16 weights, streamed in once for the forward and once for the backward."""
+        return WEIGHT_BYTES * self.layer_params
+
+    @property
+    def grads_out(self) -> float:
+        """Bytes of one layer's main gradients streamed out per micro-batch."""
+        return self.grad_bytes * self.layer_params
+
+    @property
+    def other_params(self) -> float:
+        """Embedding, output layer and final norm: streamed as their own blocks."""
+        return self.total_params - self.layers * self.layer_params
+
+    def host_parts(self) -> dict[str, float]:
+        """Host bytes by part."""
+        p = self.total_params
+        parts = {"bf16 weights": WEIGHT_BYTES * p if self.target == "host" else 0.0,
+                 "fp32 master weights": MASTER_BYTES * p,
+                 "Adam moments": MOMENT_BYTES * p if self.target == "host" else 0.0,
+                 "main grads (accumulated)": self.grad_bytes * p}
+        if self.target == "disk":  # the pinned slots the weights pass through on their way from NVMe
+            parts["weight staging slots"] = SLOTS * WEIGHT_BYTES * self.largest_unit
+        return parts
+
+    def disk_parts(self) -> dict[str, float]:
+        """NVMe bytes by part (``disk``)."""
+        if self.target != "disk":
+            return {}
+        p = self.total_params
+        return {"bf16 weights": WEIGHT_BYTES * p, "Adam moments": MOMENT_BYTES * p,
+                "moments being written (step)": MOMENT_BYTES * p}
+
+    @property
+    def pinned(self) -> float:
+        """Host bytes in the pinned pool (the bound activations share): what the copies read and write (bf16
+        weights or their staging slots, main grads) and the optimizer's staging chunks."""
+        parts = self.host_parts()
+        chunks = OPTIMIZER_STAGING_CHUNKS[self.target] * OPTIMIZER_CHUNK_BYTES
+        return parts["bf16 weights"] + parts.get("weight staging slots", 0.0) + parts["main grads (accumulated)"] + chunks
+
+    @property
+    def host(self) -> float:
+        return sum(self.host_parts().values())
+
+    @property
+    def disk(self) -> float:
+        return sum(self.disk_parts().values())
+
+    def in_bytes_per_s(self, hw: Hardware) -> float:
+        """Rate of the weights' way in: PCIe from pinned memory, and for ``disk`` NVMe before it."""
+        pcie = hw.host_gbps * 1e9 * hw.link_efficiency
+        return min(pcie, hw.nvme_gbps * 1e9) if self.target == "disk" else pcie
+
+    def layer_copies(self, hw: Hardware, fwd_layer_s: float, replay: bool) -> "LayerCopies":
+        """One layer's copy and compute times per micro-batch."""
+        pcie = hw.host_gbps * 1e9 * hw.link_efficiency
+        return LayerCopies(weights_in_s=self.weights_in / self.in_bytes_per_s(hw), grads_out_s=self.grads_out / pcie,
+                           forward_s=fwd_layer_s, backward_s=(3 if replay else 2) * fwd_layer_s)
+
+    def other_copies_s(self, hw: Hardware) -> float:
+        """The embedding's and output layer's copies per micro-batch (in twice, gradients out), not hidden."""
+        pcie = hw.host_gbps * 1e9 * hw.link_efficiency
+        return (2 * WEIGHT_BYTES * self.other_params / self.in_bytes_per_s(hw)
+                + self.grad_bytes * self.other_params / pcie)
+
+    def optimizer_step_s(self, hw: Hardware) -> float:
+        """Once a step: the CPU AdamW, and for ``disk`` its moments' and the weights' NVMe traffic."""
+        cpu = self.total_params / HOST_ADAM_PARAMS_PER_S
+        if self.target != "disk":
+            return cpu
+        return cpu + DISK_STEP_BYTES_PER_PARAM * self.total_params / (hw.nvme_gbps * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCopies:
+    """One layer per micro-batch: its copies and the compute they hide behind."""
+
+    weights_in_s: float  # one pass of the layer's weights in (twice per micro-batch)
+    grads_out_s: float  # its gradients out (during the backward, the other direction)
+    forward_s: float  # the compute the forward's copy hides behind
+    backward_s: float  # the recompute + backward the backward's copies hide behind
+
+    @property
+    def exposed_s(self) -> float:
+        return (max(0.0, self.weights_in_s - self.forward_s)
+                + max(0.0, max(self.weights_in_s, self.grads_out_s) - self.backward_s))
+
+    @property
+    def copy_s(self) -> float:
+        return 2 * self.weights_in_s + self.grads_out_s
+
+    @property
+    def hidden(self) -> bool:
+        return self.exposed_s == 0.0
+
+
+def state_offload(m: ModelShape, par: Parallel, opt: MemoryOptions, stage: str = "first") -> StateOffload | None:
+    """The model-state offload of one GPU of ``stage`` (None when it is off)."""
+    if not opt.model_state_offload:
+        return None
+    sp = stage_params(m, par, stage)
+    pc = param_counts(m)
+    per_layer = (pc.attention + (pc.dense_mlp if m.num_experts is None else pc.moe_routed / par.ep)) / par.tp
+    per_layer += pc.norms
+    return StateOffload(opt.model_state_offload, sp.layers, per_layer, sp.total, sp.largest_unit,
+                        4 if opt.main_grads_dtype == "fp32" else 2)
