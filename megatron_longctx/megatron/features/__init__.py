@@ -1,0 +1,1 @@
+"""One installer per memory feature (:mod:`.base` states the contract)."""
