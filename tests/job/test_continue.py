@@ -1,0 +1,93 @@
+"""Continuing a checkpoint that Megatron wrote without the plugin (CP=1, its own attention, 128 tokens) at a
+longer length (256) under the plugin at CP=2: the state dict loads strictly (every key the model and
+optimizer ask for is in the checkpoint), and with a new RoPE base, Llama-3.1 scaling or YaRN the losses and
+grad norms equal Megatron's own attention at CP=1 loading the same checkpoint."""
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from megatron_longctx.job import checkpoint_guard as guard
+from megatron_longctx.job import command_line, pretrain, spawn
+from tests.job import main_job
+
+SHORT = ["--seq-length", "128", "--max-position-embeddings", "128"]
+LONG = ["--seq-length", "256", "--max-position-embeddings", "256"]
+STRICT = ["--dist-ckpt-strictness", "raise_unexpected"]  # a model or optimizer key absent from the checkpoint raises
+
+
+def _digest(folder: str) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """2 steps of plain Megatron (its own attention, CP=1 over 2 data-parallel ranks) at 128 tokens, saved at
+    step 2 as Megatron-LM saves it (no manifest of the main job)."""
+    main_job.skip_without_megatron_training()
+    root = tmp_path_factory.mktemp("continue")
+    out, data = str(root / "source"), str(root / "data")
+    own, margv = pretrain.build_parser().parse_known_args(
+        [*main_job.TINY, *SHORT, "--output-dir", out, "--data-dir", data, "--context-parallel-size", "1",
+         "--train-iters", "2"])
+    job = command_line.Job.from_argv(margv, own)
+    job.data_path = command_line.ensure_corpus(own)
+    os.makedirs(out)
+    argv = [*job.baseline_argv(2), "--save", job.save, "--save-interval", "2"]
+    settings = {"name": "source", "metrics": os.path.join(out, "metrics.jsonl"), "progress": False, "total_steps": 2}
+    rc, reports = spawn.run_phase(argv, 2, settings, {"LONGCTX_BASELINE": "1"})
+    assert rc == 0, reports
+    os.remove(os.path.join(guard.iteration_dir(job.save, 2), guard.MANIFEST))
+    return {"ckpt": job.save, "data": data, "root": root, "digest": _digest(job.save)}
+
+
+def _continue(source, name, *flags):
+    out = str(source["root"] / name)
+    proc = main_job.run(out, source["data"], *LONG, "--load", source["ckpt"], "--no-resume-check", *STRICT, *flags)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(f"successfully loaded checkpoint from {source['ckpt']}") == 2  # plugin and baseline
+    assert _digest(source["ckpt"]) == source["digest"]  # the source checkpoint is read, never written
+    return main_job.metrics(out, "plugin-cp2"), main_job.metrics(out, "baseline-cp1")
+
+
+def _assert_equal_runs(plugin, base, steps):
+    assert [r["step"] for r in plugin] == [r["step"] for r in base] == steps
+    for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+        torch.testing.assert_close(torch.tensor([r[key] for r in plugin]), torch.tensor([r[key] for r in base]),
+                                   rtol=rtol, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_finetune_with_a_new_rope_base_and_llama31_scaling_equals_cp1(source):
+    plugin, base = _continue(source, "llama31", "--finetune", "--train-iters", "2", "--baseline-steps", "2",
+                             "--rotary-base", "40000", "--use-rope-scaling", "--rope-scaling-factor", "4")
+    _assert_equal_runs(plugin, base, [1, 2])  # --finetune: the weights only, from iteration 0
+
+
+def test_continue_with_yarn_equals_cp1(source):
+    plugin, base = _continue(source, "yarn", "--train-iters", "4", "--baseline-steps", "4",
+                             "--override-opt_param-scheduler", "--rotary-base", "40000",
+                             "--position-embedding-type", "yarn", "--rotary-scaling-factor", "2",
+                             "--yarn-original-max-position-embeddings", "128")
+    _assert_equal_runs(plugin, base, [3, 4])  # weights, Adam moments and step count from iteration 2
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--hidden-size", "64"], "--hidden-size: the checkpoint"),
+    (["--swiglu"], "--swiglu: the checkpoint"),
+    (["--finetune", "--save", "SRC"], "--finetune with --save"),
+])
+def test_bad_continuation_is_refused_naming_the_flag(source, tmp_path, capsys, flags, named):
+    flags = [source["ckpt"] if f == "SRC" else f for f in flags]
+    rc = pretrain.main([*main_job.TINY, *LONG, "--output-dir", str(tmp_path / "run"), "--data-dir", source["data"],
+                        "--load", source["ckpt"], *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and named in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert _digest(source["ckpt"]) == source["digest"] and not os.path.exists(tmp_path / "run" / "checkpoint")
