@@ -3,49 +3,16 @@ longer length (256) under the plugin at CP=2: the state dict loads strictly (eve
 optimizer ask for is in the checkpoint), and with a new RoPE base, Llama-3.1 scaling or YaRN the losses and
 grad norms equal Megatron's own attention at CP=1 loading the same checkpoint."""
 
-import hashlib
 import os
 
 import pytest
 import torch
 
-from megatron_longctx.job import checkpoint_guard as guard
-from megatron_longctx.job import command_line, pretrain, spawn
+from megatron_longctx.job import pretrain
 from tests.job import main_job
+from tests.job.conftest import LONG, digest as _digest
 
-SHORT = ["--seq-length", "128", "--max-position-embeddings", "128"]
-LONG = ["--seq-length", "256", "--max-position-embeddings", "256"]
 STRICT = ["--dist-ckpt-strictness", "raise_unexpected"]  # a model or optimizer key absent from the checkpoint raises
-
-
-def _digest(folder: str) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            out[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return out
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """2 steps of plain Megatron (its own attention, CP=1 over 2 data-parallel ranks) at 128 tokens, saved at
-    step 2 as Megatron-LM saves it (no manifest of the main job)."""
-    main_job.skip_without_megatron_training()
-    root = tmp_path_factory.mktemp("continue")
-    out, data = str(root / "source"), str(root / "data")
-    own, margv = pretrain.build_parser().parse_known_args(
-        [*main_job.TINY, *SHORT, "--output-dir", out, "--data-dir", data, "--context-parallel-size", "1",
-         "--train-iters", "2"])
-    job = command_line.Job.from_argv(margv, own)
-    job.data_path = command_line.ensure_corpus(own)
-    os.makedirs(out)
-    argv = [*job.baseline_argv(2), "--save", job.save, "--save-interval", "2"]
-    settings = {"name": "source", "metrics": os.path.join(out, "metrics.jsonl"), "progress": False, "total_steps": 2}
-    rc, reports = spawn.run_phase(argv, 2, settings, {"LONGCTX_BASELINE": "1"})
-    assert rc == 0, reports
-    os.remove(os.path.join(guard.iteration_dir(job.save, 2), guard.MANIFEST))
-    return {"ckpt": job.save, "data": data, "root": root, "digest": _digest(job.save)}
 
 
 def _continue(source, name, *flags):
