@@ -9,9 +9,11 @@ only, ``--finetune``; the source is never written) or from a fresh initialisatio
 loads the previous stage's final checkpoint the same way.  A stage whose checkpoint already reached its
 steps is skipped; one that stopped part-way resumes from its newest checkpoint (weights, Adam state,
 schedule and data position, as ``run`` resumes), so running the same command again continues where it
-stopped.  The context-parallel size of a stage is the number of local ranks (``--nproc-per-node``), the
-layout the plugin needs for the longest sequences on one machine, unless ``--context-parallel-size`` is
-given; ``OUTPUT_DIR/extend.json`` records each stage's length, steps, RoPE base, layout and state.
+stopped.  With ``--plan-model``/``--plan-gpus`` each stage takes the planner's layout for its length
+(TP, CP, recompute, offload, tiles: :func:`megatron_longctx.plan.recommend.recommend`, the flags of
+:func:`megatron_longctx.plan.flags.all_flags`; the user's flags after them win); otherwise the
+context-parallel size of a stage is the number of local ranks (``--nproc-per-node``) unless
+``--context-parallel-size`` is given.  ``OUTPUT_DIR/extend.json`` records each stage's length, steps, RoPE base, layout and state.
 """
 
 from __future__ import annotations
@@ -71,7 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-parallel-size", type=int, default=None,
                    help="CP size of every stage (default: --nproc-per-node)")
     p.add_argument("--save-interval", type=int, default=None, help="checkpoint every N steps within a stage")
+    g = p.add_argument_group("the planner's layout per stage (GPUs)")
+    g.add_argument("--plan-model", default=None, help="a planner model preset (e.g. llama3-8b): each stage takes "
+                   "the planner's TP, CP, recompute, offload and tiles for its length")
+    g.add_argument("--plan-gpus", type=int, default=None, help="GPUs the planner lays each stage out on")
+    g.add_argument("--plan-gpu", default="h100", help="the planner's GPU preset (h100, h200, ...)")
     return p
+
+
+def planned_flags(own: argparse.Namespace, length: int) -> tuple[list[str], str]:
+    """The planner's flags for one stage (Megatron's and --longctx-*) and its one-line summary."""
+    from megatron_longctx.plan import cli as plan_cli
+    from megatron_longctx.plan.efficiency import resolve
+    from megatron_longctx.plan.flags import all_flags
+    from megatron_longctx.plan.recommend import recommend
+
+    args = plan_cli.build_parser().parse_args(["--model", own.plan_model, "--seq-length", str(length),
+                                               "--num-gpus", str(own.plan_gpus), "--gpu", own.plan_gpu])
+    m, hw, c = plan_cli.model_from_args(args), plan_cli.hardware_from_args(args), plan_cli.constraints_from_args(args)
+    eff = resolve(hw.family, args.attention_backend, args.fp8)
+    plan = recommend(m, length, own.plan_gpus, hw, c, micro_batch=args.micro_batch_size, eff=eff)
+    return all_flags(plan), plan_cli.format_plan(plan).splitlines()[1]
 
 
 def _bases(text: Optional[str], n: int) -> list[Optional[str]]:
@@ -103,9 +125,13 @@ def stage_argv(own: argparse.Namespace, megatron_argv: list[str], index: int, st
     length, steps = stages[index]
     out = stage_dir(own.output_dir, index + 1, length)
     save = os.path.join(out, "checkpoint")
-    cp = own.context_parallel_size or own.nproc_per_node
+    planned, layout = ([], None) if own.plan_model is None else planned_flags(own, length)
+    if planned:
+        cp = int(planned[planned.index("--context-parallel-size") + 1])
+    else:
+        cp = own.context_parallel_size or own.nproc_per_node
     state, at = stage_state(save, steps)
-    argv = [*megatron_argv, "--seq-length", str(length), "--max-position-embeddings", str(length),
+    argv = [*planned, *megatron_argv, "--seq-length", str(length), "--max-position-embeddings", str(length),
             "--context-parallel-size", str(cp), "--train-iters", str(steps), "--output-dir", out,
             "--nproc-per-node", str(own.nproc_per_node), "--no-baseline", "--no-resume-check", "--no-progress"]
     if own.save_interval:
@@ -120,7 +146,7 @@ def stage_argv(own: argparse.Namespace, megatron_argv: list[str], index: int, st
         argv += ["--load", source, "--finetune"]
     record = {"stage": index + 1, "seq_length": length, "steps": steps, "rotary_base": base,
               "context_parallel_size": cp, "checkpoint": save, "source": save if state == "resume" else source,
-              "state": state, "resumed_from": at}
+              "state": state, "resumed_from": at, "layout": layout}
     return argv, record
 
 
@@ -132,7 +158,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         bases = _bases(own.rotary_base, len(stages))
         if own.load is not None and not os.path.isdir(own.load):
             raise ValueError(f"--load {own.load}: no such directory")
-    except ValueError as exc:
+        if (own.plan_model is None) != (own.plan_gpus is None):
+            raise ValueError("--plan-model and --plan-gpus go together (the planner lays out a model on GPUs)")
+        if own.plan_model is not None and own.context_parallel_size is not None:
+            raise ValueError("--context-parallel-size with --plan-model: the planner chooses CP per stage; drop one")
+        if own.plan_model is not None:
+            for length, _ in stages:
+                planned_flags(own, length)  # a stage no layout fits is refused before any stage runs
+    except (ValueError, SystemExit) as exc:  # PlanInfeasible is a ValueError; the planner's parser exits
         print(f"megatron-longctx extend: error: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGS
     os.makedirs(own.output_dir, exist_ok=True)

@@ -72,3 +72,27 @@ def test_bad_stage_lists_are_refused_naming_the_flag(tmp_path, capsys, flags, na
 
 def test_stage_lengths_parse_with_units():
     assert extend.parse_stages("8K:200,32K:100,1M:5") == [(8192, 200), (32768, 100), (1 << 20, 5)]
+
+
+def test_each_stage_takes_the_planners_layout_for_its_length():
+    from megatron_longctx.plan import presets
+    from megatron_longctx.plan.efficiency import resolve
+    from megatron_longctx.plan.flags import all_flags
+    from megatron_longctx.plan.recommend import recommend
+
+    own, rest = extend.build_parser().parse_known_args(
+        ["--stages", "8K:2,128K:2,1M:1", "--plan-model", "llama3-8b", "--plan-gpus", "8", "--plan-gpu", "h200",
+         "--nproc-per-node", "8", "--output-dir", "/nonexistent/extend", "--lr", "1e-5"])
+    stages = extend.parse_stages(own.stages)
+    hw = presets.gpu("h200")
+    layouts = set()
+    for index, (length, _) in enumerate(stages):
+        argv, record = extend.stage_argv(own, rest, index, stages, "8000000")
+        plan = recommend(presets.model("llama3-8b"), length, 8, hw, eff=resolve(hw.family, "auto", False))
+        assert argv[:len(all_flags(plan))] == all_flags(plan)  # the planner's flags first, the user's after them
+        assert argv[argv.index("--context-parallel-size", len(all_flags(plan))) + 1] == str(plan.parallel.cp)
+        last = len(argv) - 1 - argv[::-1].index("--rotary-base")  # the stage's base wins over the preset's
+        assert argv[last + 1] == "8000000" and last > len(all_flags(plan)) and "--lr" in argv
+        assert record["layout"].startswith("recommended: ") and record["state"] == "start"
+        layouts.add(record["layout"])
+    assert len(layouts) == 3  # 8K, 128K and 1M each get their own layout on 8 x H200
