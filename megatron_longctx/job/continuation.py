@@ -111,6 +111,11 @@ def check_architecture(folder: str, argv: list[str]) -> None:
     if args is None:
         return
     want, have = flags_model(argv), checkpoint_model(args)
+    vocab = getattr(args, "padded_vocab_size", None)
+    if vocab is not None and vocab != main_job_vocab(argv):
+        raise ValueError(f"--load: the checkpoint {folder} has a vocabulary of {vocab} tokens; run, eval and extend "
+                         f"train the byte-level corpus ({main_job_vocab(argv)}): continue it with Megatron-LM's "
+                         "pretrain_gpt.py under python -m megatron_longctx.launch and its own tokenizer")
     for name, flag in ARCHITECTURE:
         if want[name] != have[name]:
             if isinstance(have[name], bool):
@@ -119,6 +124,18 @@ def check_architecture(folder: str, argv: list[str]) -> None:
                 fix = f"give {flag} {have[name]}"
             raise ValueError(f"{flag}: the checkpoint {folder} was trained with {name}={have[name]!r}, the flags "
                              f"ask for {want[name]!r}; {fix} to continue from it")
+
+
+def main_job_vocab(argv: list[str]) -> int:
+    """The padded vocabulary the main job's model has (byte tokens, padded as Megatron pads for TP)."""
+    from megatron_longctx import data as data_mod
+
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    v, _ = p.parse_known_args(argv)
+    return data_mod.padded_vocab_size(data_mod.ByteTokenizer(),
+                                      v.make_vocab_size_divisible_by * v.tensor_model_parallel_size)
 
 
 def check_rope_options(argv: list[str]) -> None:

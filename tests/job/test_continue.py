@@ -49,6 +49,7 @@ def test_continue_with_yarn_equals_cp1(source):
     (["--hidden-size", "64"], "--hidden-size: the checkpoint"),
     (["--swiglu"], "--swiglu: the checkpoint"),
     (["--finetune", "--save", "SRC"], "--finetune with --save"),
+    (["--make-vocab-size-divisible-by", "128"], "has a vocabulary of 320 tokens"),
 ])
 def test_bad_continuation_is_refused_naming_the_flag(source, tmp_path, capsys, flags, named):
     flags = [source["ckpt"] if f == "SRC" else f for f in flags]
@@ -58,3 +59,24 @@ def test_bad_continuation_is_refused_naming_the_flag(source, tmp_path, capsys, f
     assert rc == 2 and named in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert _digest(source["ckpt"]) == source["digest"] and not os.path.exists(tmp_path / "run" / "checkpoint")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--use-rope-scaling"], "--use-rope-scaling: megatron-core"),
+    (["--position-embedding-type", "yarn"], "--position-embedding-type yarn: megatron-core"),
+])
+def test_a_rope_option_the_installed_megatron_lacks_is_refused(monkeypatch, flags, named):
+    """A GPTModel without rope_scaling or YaRN (megatron-core before they were added) is refused by flag."""
+    import megatron.core.models.gpt as gpt
+
+    from megatron_longctx.job import continuation
+
+    class OlderGPTModel:
+        def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length,
+                     position_embedding_type: str = "learned_absolute", rotary_base: int = 10000):
+            pass
+
+    monkeypatch.setattr(gpt, "GPTModel", OlderGPTModel)
+    with pytest.raises(ValueError, match=named):
+        continuation.check_rope_options(flags)
+    continuation.check_rope_options(["--rotary-base", "500000"])  # a RoPE base alone needs nothing new
