@@ -1,6 +1,6 @@
 """``megatron-longctx eval``: a checkpoint Megatron wrote at 128 tokens, evaluated at 256 under the plugin at
-CP=2, gives per position the loss Megatron's own attention gives at CP=1 on the same tokens, and the same
-passkey table; the passkey prompts hold their key where they say."""
+CP=2 (with and without the memory features), gives per position the loss Megatron's own attention gives at
+CP=1 on the same tokens, and the same passkey table; the passkey prompts hold their key where they say."""
 
 import json
 import os
@@ -41,6 +41,12 @@ def test_eval_under_cp_equals_megatrons_own_forward_per_token(source):
     torch.testing.assert_close(torch.tensor(a["per_token"], dtype=torch.float64),
                                torch.tensor(b["per_token"], dtype=torch.float64), rtol=1e-5, atol=1e-6)
     assert plugin["passkey"]["accuracy"] == base["passkey"]["accuracy"]
+    # the memory features (tiled MLP and loss, Megatron's full recompute run by the plugin) change nothing
+    _, tiled = _eval(source, "eval-memory", "--longctx-tiled-mlp-tiles", "2", "--longctx-tiled-loss-tiles", "2",
+                     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    torch.testing.assert_close(torch.tensor(tiled["position_loss"]["per_token"], dtype=torch.float64),
+                               torch.tensor(a["per_token"], dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    assert tiled["passkey"]["accuracy"] == plugin["passkey"]["accuracy"]
     assert len(plugin["passkey"]["accuracy"]) == 2 and len(plugin["passkey"]["accuracy"][0]) == 2
     for name in ("position_loss.png", "passkey.png"):
         assert open(os.path.join(out, name), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
