@@ -3,6 +3,8 @@
     megatron-longctx run   [args]   the main job: long-context GPT training on Megatron-Core with CP
     megatron-longctx bench [args]   regression benchmark of the plugin against baseline Megatron
     megatron-longctx bench --scaling [args]   scaling benchmark: step time and memory from 16K to 1M tokens
+    megatron-longctx eval  [args]   a checkpoint evaluated at length: loss per position, passkey retrieval
+    megatron-longctx extend [args]  staged context extension from a checkpoint, resumable
     megatron-longctx plan  [args]   memory/time planner: which configuration fits, and the flags for it
 
 Each sub-command's ``--help`` lists its own options.
@@ -17,13 +19,17 @@ COMMANDS = {
     "run": ("megatron_longctx.job.pretrain", "the main job: long-context GPT training with context parallelism"),
     "bench": ("megatron_longctx.bench.regression",
               "regression benchmark against baseline Megatron (--scaling: step time and memory vs length)"),
+    "eval": ("megatron_longctx.job.evaluate",
+             "a checkpoint at length, forward only under CP: loss per position and passkey retrieval"),
+    "extend": ("megatron_longctx.job.extend",
+               "staged context extension: LENGTH:STEPS stages, a RoPE base per stage, resumable"),
     "plan": ("megatron_longctx.plan.cli", "plan memory, time and flags for a long-context run"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: megatron-longctx {" + ",".join(COMMANDS) + "} [args...]", ""]
-    lines += [f"  {name:<6} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += [f"  {name:<7} {doc}" for name, (_, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
 

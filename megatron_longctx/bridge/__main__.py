@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -57,14 +58,43 @@ def longctx_options(args: argparse.Namespace, argv: Sequence[str], p: argparse.A
     return options
 
 
+def bridge_missing() -> Optional[str]:
+    """``None`` when Megatron-Bridge's training code imports here, else the one-line reason it does not."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.bridge") is None:
+        return ("Megatron-Bridge is not installed in this environment: pip install megatron-bridge "
+                "(see docs/bridge.md), or use the Megatron-LM launcher: python -m megatron_longctx.launch")
+    import logging
+    import warnings
+
+    logging.disable(logging.CRITICAL)  # Bridge logs each optional import it misses, with its traceback
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            importlib.import_module("megatron.bridge.training.utils.omegaconf_utils")
+            importlib.import_module("megatron.bridge.training.pretrain")
+    except ImportError as err:
+        if "transformer_engine" in f"{err} {err.name}":
+            return ("Megatron-Bridge's training code imports Transformer Engine (transformer_engine.pytorch), "
+                    "which is not installed here: install it on a CUDA machine (pip install "
+                    "'transformer-engine[pytorch]', or megatron-longctx[gpu]); without it use the Megatron-LM "
+                    "launcher: python -m megatron_longctx.launch")
+        return f"Megatron-Bridge does not import here ({type(err).__name__}: {err})"
+    finally:
+        logging.disable(logging.NOTSET)
+    return None
+
+
 def build_config(argv: Sequence[str]) -> tuple[Any, argparse.Namespace]:
     """The recipe's ConfigContainer with the file, the overrides and megatron-longctx applied."""
+    p = parser()
+    args = p.parse_args(argv)  # --help answers before Bridge is imported
+    reason = bridge_missing()
+    if reason is not None:
+        raise SystemExit(f"python -m megatron_longctx.bridge: {reason}")
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     from megatron_longctx.bridge import configure
 
-    p = parser()
-    args = p.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         p.error(f"overrides are dotted.key=value; got {' '.join(bad)}")

@@ -57,6 +57,7 @@ def _reader() -> argparse.ArgumentParser:
     for flag in ("--save", "--load", "--exit-interval", "--train-samples", "--cp-comm-type", "--window-size"):
         p.add_argument(flag, default=None, nargs="+" if flag == "--cp-comm-type" else None)
     p.add_argument("--group-query-attention", action="store_true")
+    p.add_argument("--finetune", action="store_true")
     p.set_defaults(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)  # Megatron's defaults
     return p
 
@@ -193,7 +194,7 @@ class Job:
         """The newest iteration this run saved that leaves ``steps`` steps to compare (``None``: none)."""
         from megatron_longctx.job.checkpoint_guard import saved_iterations
 
-        first = self.load_step or 0
+        first = 0 if self.values.finetune else (self.load_step or 0)  # --finetune starts at iteration 0
         points = [i for i in saved_iterations(self.save) if first < i <= self.train_iters - steps]
         return points[-1] if points else None
 
@@ -203,6 +204,8 @@ class Job:
 
     def baseline_argv(self, steps: int) -> list[str]:
         argv = [*self._common(), "--context-parallel-size", "1"]
+        if self.load is not None:  # the comparison starts from the same checkpoint
+            argv += ["--load", self.load, "--ckpt-step", str(self.load_step)]
         return argv + (["--exit-interval", str(steps)] if steps < self.train_iters else [])
 
 

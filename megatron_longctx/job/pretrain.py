@@ -32,7 +32,7 @@ import time
 from typing import Any, Optional
 
 from megatron_longctx.job import checkpoint_guard as guard
-from megatron_longctx.job import command_line
+from megatron_longctx.job import command_line, continuation
 from megatron_longctx.job.spawn import Interrupted, run_phase
 from megatron_longctx.job.report import compare_losses, render_summary, run_summary
 
@@ -82,7 +82,8 @@ def _prepare_checkpoints(job: command_line.Job, own: argparse.Namespace) -> list
     """Refuse to clobber an existing checkpoint; verify the one to load.  Returns notes for the user."""
     notes: list[str] = []
     if job.load is not None:
-        job.load_step, notes = guard.resolve_load(job.load, job.ckpt_step)
+        job.load_step, notes = continuation.resolve_source(job.load, job.ckpt_step)
+        continuation.check_continuation(job.load, job.load_step, job.save, [*command_line.DEFAULTS, *job.user_argv])
         if job.save is not None and os.path.abspath(job.save) == os.path.abspath(job.load):
             notes += guard.set_aside_later(job.save, job.load_step)  # the resumed saves must not overwrite them
     same_dir = job.load is not None and job.save is not None and os.path.abspath(job.save) == os.path.abspath(job.load)

@@ -63,7 +63,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                         max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                         post_process=post_process,
                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base, **kwargs)
+                        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                        rotary_percent=args.rotary_percent, rope_scaling=args.use_rope_scaling,
+                        rope_scaling_factor=args.rope_scaling_factor,
+                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, **kwargs)
 
     specs = {"transformer_layer_spec": get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)}
     if is_baseline():

@@ -281,6 +281,10 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
     log = StepLog(settings)
     watchdog = StallWatchdog(settings)
     saved = _install_hooks(log, watchdog)
+    if "evaluate" in settings:  # megatron-longctx eval: a forward-only pass where Megatron's train loop was
+        from megatron_longctx.job.eval_forward import replace_train
+
+        saved.append(replace_train(settings["evaluate"]))
     try:
         with cpu_compat.enabled():
             args = parse_and_validate_args(extra_args_provider=add_longctx_args)
