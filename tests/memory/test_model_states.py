@@ -1,0 +1,168 @@
+"""Model-state streaming: weights into device slots per unit, gradients out to the off-device accumulator.
+
+Outputs and gradients equal the run without streaming (float32: bit for bit), with and without recompute,
+over several micro-batches; the bytes in device slots never exceed the slots, and no unit's weights stay in
+a slot after its use.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import resource
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
+
+from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.model_states import ModelStateError, ModelStateStreamer, StreamOptions
+
+
+class Block(torch.nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.fc1 = torch.nn.Linear(h, 2 * h)
+        self.fc2 = torch.nn.Linear(2 * h, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, h: int = 16, n: int = 4, vocab: int = 32, recompute: bool = False) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, h)
+        self.blocks = torch.nn.ModuleList(Block(h) for _ in range(n))
+        self.head = torch.nn.Linear(h, vocab, bias=False)
+        self.recompute = recompute
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if self.recompute else b(x)
+        return self.head(x)
+
+    def units(self) -> list:
+        return [self.embed, *self.blocks, self.head]
+
+
+def _streamer(model: Stack, target: str, tmp_path, pool_bytes: int = 1 << 24) -> ModelStateStreamer:
+    opts = StreamOptions(target=target, device=torch.device("cpu"), pool=HostPool(pool_bytes, pin=False),
+                         disk_dir=str(tmp_path) if target == "disk" else None)
+    return ModelStateStreamer(model.units(), opts)
+
+
+def _loss(model: Stack, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+
+@pytest.mark.parametrize("target", ["host", "disk"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_outputs_and_grads_bit_for_bit(target: str, recompute: bool, tmp_path) -> None:
+    torch.manual_seed(0)
+    ref = Stack(recompute=recompute)
+    model = copy.deepcopy(ref)
+    streamer = _streamer(model, target, tmp_path)
+    batches = [torch.randint(0, 32, (2, 8)) for _ in range(3)]  # three micro-batches, accumulated
+    for tokens in batches:
+        want = _loss(ref, tokens)
+        want.backward()
+        got = _loss(model, tokens)
+        assert_close(got, want, rtol=0, atol=0)
+        got.backward()
+        streamer.finish_backward()
+        streamer.check_released()
+    for i, unit in enumerate(ref.units()):
+        for p_ref, w, g in zip(unit.parameters(), streamer.unit_weights(i), streamer.unit_grads(i)):
+            assert_close(w, p_ref.detach(), rtol=0, atol=0)
+            assert_close(g, p_ref.grad, rtol=0, atol=0)
+    streamer.remove()
+
+
+def test_float64_reference(tmp_path) -> None:
+    """Against a float64 run of the same model (tolerance of float32)."""
+    torch.manual_seed(1)
+    model = Stack(recompute=True)
+    ref = copy.deepcopy(model).double()
+    streamer = _streamer(model, "host", tmp_path)
+    tokens = torch.randint(0, 32, (2, 8))
+    _loss(ref, tokens).backward()
+    _loss(model, tokens).backward()
+    streamer.finish_backward()
+    for i, unit in enumerate(ref.units()):
+        for p_ref, g in zip(unit.parameters(), streamer.unit_grads(i)):
+            assert_close(g.double(), p_ref.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_device_slots_bound_and_release(recompute: bool, tmp_path) -> None:
+    """The slot bytes never exceed the slots, and a unit's weights leave its slot after its forward."""
+    torch.manual_seed(0)
+    model = Stack(recompute=recompute, n=5)
+    streamer = _streamer(model, "host", tmp_path)
+    seen: list = []
+    slot_ptrs = {s.untyped_storage().data_ptr() for s in streamer.wslots}
+
+    def after(module, *_):  # runs after the streamer's own forward post-hook
+        seen.append(streamer.resident)
+        assert streamer.resident <= streamer.capacity
+        if torch.is_grad_enabled() and not torch._C._current_graph_task_id() >= 0:  # plain forward, not recompute
+            for p in module.parameters():
+                assert p.data.untyped_storage().data_ptr() not in slot_ptrs, "weights stayed in a slot after use"
+
+    for unit in model.units():
+        unit.register_forward_hook(after)
+    _loss(model, torch.randint(0, 32, (2, 8))).backward()
+    streamer.finish_backward()
+    streamer.check_released()
+    assert streamer.peak_resident <= streamer.capacity
+    # the slots hold two units, not the whole model: less than half the model's parameter + gradient bytes
+    total = sum(p.numel() * 8 for p in model.parameters())
+    assert streamer.capacity < total / 2
+    # each unit comes in twice: forward, and backward (a recompute runs inside the backward's stay)
+    assert streamer.loads == 2 * len(model.units())
+    assert streamer.grad_flushes == len(model.units())
+
+
+def test_check_released_fails_when_weights_stay(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Stack()
+    streamer = _streamer(model, "host", tmp_path)
+    streamer._pre_forward(streamer.units[1])  # a forward that never finished: its weights stay in the slot
+    with pytest.raises(AssertionError, match=r"units \[1\] still hold device slots"):
+        streamer.check_released()
+
+
+def test_host_pool_too_small_is_refused(tmp_path) -> None:
+    model = Stack()
+    with pytest.raises(ModelStateError, match=r"--longctx-model-state-offload host.*bytes.*"
+                                              r"--longctx-offload-host-pool-bytes"):
+        _streamer(model, "host", tmp_path, pool_bytes=4096)
+
+
+def test_disk_full_while_gradients_are_written(tmp_path) -> None:
+    """The file-size limit is hit while a gradient accumulator is written: one error naming the flag,
+    the file and the bytes."""
+    torch.manual_seed(0)
+    model = Stack()
+    streamer = _streamer(model, "disk", tmp_path)
+    limit = min(u.gbytes for u in streamer.units) - 1  # every gradient file is larger
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    import signal
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        with pytest.raises(ModelStateError) as err:
+            _loss(model, torch.randint(0, 32, (2, 8))).backward()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    msg = str(err.value)
+    assert "--longctx-model-state-offload disk" in msg and "gradients" in msg and "bytes" in msg
+    assert str(tmp_path) in msg and errno.errorcode[errno.EFBIG] in msg
+    streamer.remove()
