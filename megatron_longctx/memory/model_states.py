@@ -10,7 +10,7 @@ holds a few *weight slots* and *gradient slots*, each sized for the largest unit
   ``.data`` at its view there (the next unit's copy is started at once into another slot, on the side
   stream when the device is a GPU); the forward post-hook points ``.data`` back at the off-device copy and
   frees the slot.  A recompute re-enters the same hooks, so the weights come in again for it;
-* a backward pre-hook (on the unit's outputs) brings the weights in again for the unit's backward and points
+* a gradient hook on the unit's outputs brings the weights in again for the unit's backward and points
   each parameter's ``main_grad`` (Megatron's gradient protocol) at a zeroed view of a gradient slot;
   gradients autograd hands a parameter (``.grad``) are added into ``main_grad``; once every parameter of the
   unit has its gradient, the slot is added into the off-device accumulator (across micro-batches) and both
@@ -27,6 +27,7 @@ cost, and :meth:`ModelStateStreamer.check_released` fails if a unit's weights st
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from typing import Any, Optional, Sequence
 
@@ -187,7 +188,11 @@ class ModelStateStreamer:
         try:
             write_file(data.cpu() if data.device.type != "cpu" else data, path)
         except DiskOffloadError as exc:
-            raise ModelStateError(f"{FLAG} disk: writing {what} ({data.numel()} bytes) failed: {exc}") from exc
+            code = errno.errorcode.get(exc.errno or 0, "EIO")
+            raise ModelStateError(
+                f"{FLAG} disk: writing {what} ({data.numel()} bytes) to {path} failed: {code} ({os.strerror(exc.errno or errno.EIO)}); "
+                f"free space under {os.path.dirname(path)}, point --longctx-offload-disk-dir at a larger disk, "
+                f"or use {FLAG} host") from exc
 
     def _point_off_device(self, u: _Unit) -> None:
         """Parameters between uses: views of the host copy (``host``); for ``disk`` a one-element
@@ -253,8 +258,7 @@ class ModelStateStreamer:
         for u in self.units:
             m = u.module
             self._handles.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u)))
-            self._handles.append(m.register_forward_hook(lambda _m, _a, _o, u=u: self._post_forward(u)))
-            self._handles.append(m.register_full_backward_pre_hook(lambda _m, _g, u=u: self._pre_backward(u)))
+            self._handles.append(m.register_forward_hook(lambda _m, _a, out, u=u: self._post_forward(u, out)))
             for p in u.params:
                 if p.goffset >= 0:
                     self._handles.append(p.param.register_post_accumulate_grad_hook(
@@ -267,13 +271,19 @@ class ModelStateStreamer:
         ctx.__enter__()
         self._forward_ctx.append(ctx)
 
-    def _post_forward(self, u: _Unit) -> None:
+    def _post_forward(self, u: _Unit, out: Any) -> None:
         self._forward_ctx.pop().__exit__(None, None, None)
+        if torch.is_grad_enabled():  # the unit's backward starts when a gradient reaches one of its outputs
+            for t in _tensors(out):
+                if t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(lambda g, u=u: self._pre_backward(u))
         u.in_forward -= 1
         if not u.in_forward and u.gslot is None:
             self._release(u)
 
     def _pre_backward(self, u: _Unit) -> None:
+        if u.gslot is not None:  # another output of the unit got there first
+            return
         self._load(u)
         if u.gslot is None and u.gbytes:
             slot = self._free_slot(self._gowner)
@@ -389,6 +399,16 @@ class ModelStateStreamer:
             self._handles.pop().remove()
         if self.run_dir is not None:
             self.run_dir.remove()
+
+
+def _tensors(out: Any) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
 
 
 def _add_bytes(u: _Unit, acc: torch.Tensor, add: torch.Tensor) -> None:

@@ -166,3 +166,65 @@ def test_disk_full_while_gradients_are_written(tmp_path) -> None:
     assert "--longctx-model-state-offload disk" in msg and "gradients" in msg and "bytes" in msg
     assert str(tmp_path) in msg and errno.errorcode[errno.EFBIG] in msg
     streamer.remove()
+
+
+# ------------------------------------------------------------------ through Megatron's GPTModel (one rank)
+def _gpt_body(recompute: bool, target: str, disk_dir: str) -> None:
+    import warnings
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from tests.dist import megatron_parallel
+    from tests.gpt_kit import SEQ, VOCAB, batch, cpu, local_spec, tiny_config
+
+    extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+        if recompute else {}
+    with cpu(), megatron_parallel():
+        def build():
+            torch.manual_seed(3)
+            model_parallel_cuda_manual_seed(3)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return GPTModel(tiny_config(num_layers=3, **extra), local_spec(), vocab_size=VOCAB,
+                                max_sequence_length=SEQ, position_embedding_type="rope",
+                                share_embeddings_and_output_weights=False)
+
+        ref, model = build(), build()
+        units = [model.embedding, *model.decoder.layers, model.output_layer]
+        opts = StreamOptions(target=target, device=torch.device("cpu"), pool=HostPool(1 << 24, pin=False),
+                             disk_dir=disk_dir if target == "disk" else None)
+        streamer = ModelStateStreamer(units, opts)
+        peak = 0
+        for step in range(2):  # two micro-batches, accumulated
+            b = batch(seed=step)
+            for m in (ref, model):
+                torch.manual_seed(7)
+                per_token = m(b["tokens"], b["position_ids"], None, labels=b["labels"])
+                loss = (per_token.float() * b["loss_mask"]).sum() / b["loss_mask"].sum()
+                loss.backward()
+                if m is ref:
+                    want = loss.detach()
+                else:
+                    assert_close(loss.detach(), want, rtol=0, atol=0)
+            streamer.finish_backward()
+            streamer.check_released()
+            peak = max(peak, streamer.peak_resident)
+        assert 0 < peak <= streamer.capacity
+        assert streamer.loads >= 2 * 2 * len(units) and streamer.grad_flushes == 2 * len(units)
+        ref_units = [ref.embedding, *ref.decoder.layers, ref.output_layer]
+        for i, unit in enumerate(ref_units):
+            for p_ref, w, g in zip(unit.parameters(), streamer.unit_weights(i), streamer.unit_grads(i)):
+                assert_close(w, p_ref.detach(), rtol=0, atol=0)
+                assert_close(g, p_ref.grad, rtol=0, atol=0)
+        for (name, p_ref), p in zip(ref.decoder.final_layernorm.named_parameters(),
+                                    model.decoder.final_layernorm.parameters()):  # not streamed: as before
+            assert_close(p.grad, p_ref.grad, rtol=0, atol=0)
+        streamer.remove()
+
+
+@pytest.mark.parametrize("recompute,target", [(False, "host"), (True, "disk")])
+def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, tmp_path) -> None:
+    from tests.dist import run_ranks
+
+    run_ranks(1, _gpt_body, recompute, target, str(tmp_path))
