@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import os
 import resource
 
 import pytest
@@ -228,3 +229,56 @@ def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, tmp_path) -> Non
     from tests.dist import run_ranks
 
     run_ranks(1, _gpt_body, recompute, target, str(tmp_path))
+
+
+# ------------------------------------------------------------------ flags and bad input
+def _args(*argv: str):
+    import argparse
+
+    from megatron_longctx.megatron.arguments import add_longctx_args
+
+    return add_longctx_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_flag_parses_into_its_section(tmp_path) -> None:
+    from megatron_longctx.megatron.arguments import check_after_parsing
+
+    args = _args("--longctx-model-state-offload", "disk", "--longctx-offload-disk-dir", str(tmp_path))
+    cfg = check_after_parsing(args)
+    assert cfg.model_states.model_state_offload == "disk" and cfg.model_states.enabled
+    assert cfg.memory.offload_disk_dir == str(tmp_path)
+
+
+def test_bad_input_names_the_flags_and_the_fix(tmp_path) -> None:
+    from megatron_longctx.config import LongContextConfig, ModelStateConfig
+    from megatron_longctx.megatron.arguments import check_after_parsing
+
+    with pytest.raises(ValueError, match=r"--longctx-model-state-offload: got 'gpu'; choose one of none, host, disk"):
+        ModelStateConfig(model_state_offload="gpu")
+    with pytest.raises(ValueError, match=r"--longctx-model-state-slots: got 1; give an integer >= 2"):
+        ModelStateConfig(model_state_slots=1)
+    with pytest.raises(ValueError, match=r"--longctx-offload-disk-dir: is only used with .*model-state-offload disk"):
+        LongContextConfig.from_flat({"offload_disk_dir": str(tmp_path)})
+    for megatron in ({"cpu_offloading": True}, {"cpu_offloading_num_layers": 2}, {"cpu_offloading_weights": True}):
+        args = _args("--longctx-model-state-offload", "host")
+        vars(args).update(megatron)
+        flag = "--" + next(iter(megatron)).replace("_", "-")
+        with pytest.raises(ValueError, match=rf"--longctx-model-state-offload: Megatron's {flag} .*drop {flag}"):
+            check_after_parsing(args)
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.access(locked, os.W_OK):  # root ignores the mode: a file in the way stands for the unwritable directory
+        locked = tmp_path / "file"
+        locked.write_text("")
+    with pytest.raises(ValueError, match=rf"--longctx-model-state-offload disk: --longctx-offload-disk-dir {locked} "
+                                         r"is not writable .*give a directory this user can write"):
+        check_after_parsing(_args("--longctx-model-state-offload", "disk", "--longctx-offload-disk-dir", str(locked)))
+    # a pool too small for two layer slots: refused with the bytes it needs
+    args = _args("--longctx-model-state-offload", "host", "--longctx-offload-host-pool-bytes", str(1 << 20))
+    vars(args).update(hidden_size=1536, ffn_hidden_size=4096, num_attention_heads=12, group_query_attention=True,
+                      num_query_groups=4, swiglu=True, bf16=True)
+    per_layer = 1536 * (1536 + 2 * 4 * 128) + 1536 * 1536 + 3 * 1536 * 4096 + 2 * 1536
+    with pytest.raises(ValueError, match=rf"--longctx-offload-host-pool-bytes {1 << 20} cannot hold two layer slots "
+                                         rf"\({2 * per_layer * 6} bytes.*raise it to at least {2 * per_layer * 6}"):
+        check_after_parsing(args)
