@@ -103,7 +103,8 @@ class StreamOptions:
     pool whose bound the off-device copies (``host``) or the staging buffers (``disk``) count against.
     disk_dir: the root of the run directory for ``disk``.  slots: weight slots (and gradient slots).
     grad_dtype: dtype of the main gradients (None: the parameter's).  accumulate_grad: add ``.grad``
-    into ``main_grad`` here (False when Megatron's DDP hooks do it).
+    into ``main_grad`` here (False when Megatron's DDP hooks do it).  reduce_group: a process group (data
+    parallel x context parallel) the gradient slot is summed over before it leaves the device.
     """
 
     target: str
@@ -113,6 +114,7 @@ class StreamOptions:
     slots: int = 2
     grad_dtype: Optional[torch.dtype] = torch.float32
     accumulate_grad: bool = True
+    reduce_group: Any = None
 
 
 class ModelStateStreamer:
@@ -142,6 +144,7 @@ class ModelStateStreamer:
         self.resident = 0  # bytes of parameters and gradients now in device slots
         self.peak_resident = 0
         self.loads = self.grad_flushes = 0
+        self.sync_grads = True  # False for all but a step's last micro-batch (as DDP's no_sync)
         self._forward_ctx: list = []
         self._handles: list = []
         self._install_hooks()
@@ -310,6 +313,34 @@ class ModelStateStreamer:
         """``u``'s gradient slot added into its off-device accumulator; both its slots freed."""
         assert u.gslot is not None
         gbuf = self.gslots[u.gslot][:u.gbytes]
+        group = self.opts.reduce_group
+        if self.sync_grads and group is not None and torch.distributed.get_world_size(group) > 1:
+            self._reduce(u, gbuf, group)
+            return
+        self._accumulate(u, gbuf)
+        self._done(u)
+
+    def _reduce(self, u: _Unit, gbuf: torch.Tensor, group: Any) -> None:
+        """The last micro-batch: the accumulated gradients join the slot, the slot is summed over ``group`` and
+        becomes the accumulator (one reduction per step of what the micro-batches accumulated, as DDP's)."""
+        if u.has_grad:
+            acc = u.ghost if u.ghost is not None else self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
+            for p in u.params:
+                if p.goffset >= 0:
+                    _view(gbuf, p.goffset, p.grad_dtype, p.shape).add_(
+                        _view(acc, p.goffset, p.grad_dtype, p.shape).to(gbuf.device))
+        for p in u.params:  # every rank flushes its units in the same order: the collectives match
+            if p.goffset >= 0:
+                torch.distributed.all_reduce(_view(gbuf, p.goffset, p.grad_dtype, p.shape), group=group)
+        if u.ghost is not None:
+            u.ghost.copy_(gbuf)
+        else:
+            assert self._staging is not None and u.gpath is not None
+            self._staging[:u.gbytes].copy_(gbuf)
+            self._write(self._staging[:u.gbytes], u.gpath, f"unit {u.index}'s gradients")
+        self._done(u)
+
+    def _accumulate(self, u: _Unit, gbuf: torch.Tensor) -> None:
         for p in u.params:
             if p.goffset < 0:
                 continue
@@ -327,6 +358,9 @@ class ModelStateStreamer:
             else:
                 acc.copy_(gbuf)
             self._write(acc, u.gpath, f"unit {u.index}'s gradients")
+
+    def _done(self, u: _Unit) -> None:
+        assert u.gslot is not None
         u.has_grad = True
         self._gowner[u.gslot], u.gslot = None, None
         self._charge(-u.gbytes)

@@ -282,3 +282,58 @@ def test_bad_input_names_the_flags_and_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match=rf"--longctx-offload-host-pool-bytes {1 << 20} cannot hold two layer slots "
                                          rf"\({2 * per_layer * 6} bytes.*raise it to at least {2 * per_layer * 6}"):
         check_after_parsing(args)
+
+
+# ------------------------------------------------------------------ context parallelism (two ranks)
+def _cp_body(algorithm: str, recompute: bool) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
+    from tests.dist import megatron_parallel
+    from tests.gpt_kit import batch, build_gpt, cpu, local_spec, tiny_config
+
+    extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+        if recompute else {}
+    with cpu(), megatron_parallel(cp=2):
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+        def build():
+            return build_gpt(tiny_config(cp=2, **extra), apply_to_spec(local_spec(), cp_algorithm=algorithm))
+
+        ref, model = build(), build()
+        units = [model.embedding, *model.decoder.layers, model.output_layer]
+        opts = StreamOptions(target="host", device=torch.device("cpu"), pool=HostPool(1 << 24, pin=False),
+                             reduce_group=group)
+        streamer = ModelStateStreamer(units, opts)
+        cp_group = parallel_state.get_context_parallel_group()
+        for step in range(2):  # two micro-batches; the gradients are reduced once, after the last (as DDP's)
+            streamer.sync_grads = step == 1
+            full = batch(seed=step)
+            local = get_batch_on_this_cp_rank(dict(full), cp_group)
+            for m in (ref, model):
+                per_token = m(local["tokens"], local["position_ids"], None, labels=local["labels"])
+                loss = (per_token.float() * local["loss_mask"]).sum() / full["loss_mask"].sum()
+                loss.backward()
+                if m is ref:
+                    want = loss.detach()
+                else:
+                    assert_close(loss.detach(), want, rtol=0, atol=0)
+            streamer.finish_backward()
+            streamer.check_released()
+        ref_units = [ref.embedding, *ref.decoder.layers, ref.output_layer]
+        for i, unit in enumerate(ref_units):
+            for p_ref, w, g in zip(unit.parameters(), streamer.unit_weights(i), streamer.unit_grads(i)):
+                dist.all_reduce(p_ref.grad, group=group)
+                assert_close(w, p_ref.detach(), rtol=0, atol=0)
+                assert_close(g, p_ref.grad, rtol=0, atol=0)
+        streamer.remove()
+
+
+@pytest.mark.parametrize("algorithm,recompute", [("ring", True), ("ulysses", False)])
+def test_cp2_bit_for_bit(algorithm: str, recompute: bool) -> None:
+    """CP=2 with our attention: the gradient slots summed over the DP x CP group before they leave."""
+    from tests.dist import run_ranks
+
+    run_ranks(2, _cp_body, algorithm, recompute)
