@@ -238,7 +238,7 @@ def _check_model_states(args: argparse.Namespace, cfg: LongContextConfig) -> Non
     import os
     import tempfile
 
-    from megatron_longctx.memory import model_states
+    from megatron_longctx.memory import model_state_checks as model_states
 
     model_states.check_megatron_offload(vars(args))
     if cfg.model_states.model_state_offload == "disk":
