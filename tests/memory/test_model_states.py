@@ -337,3 +337,13 @@ def test_cp2_bit_for_bit(algorithm: str, recompute: bool) -> None:
     from tests.dist import run_ranks
 
     run_ranks(2, _cp_body, algorithm, recompute)
+
+
+def test_megatron_training_paths_refuse_until_wired() -> None:
+    """No silent no-op: the model installer of the launcher, `run` and Bridge refuses the flag by name."""
+    from megatron_longctx.config import LongContextConfig
+    from megatron_longctx.megatron.memory_spec import install_and_report
+
+    cfg = LongContextConfig.from_flat({"model_state_offload": "host"})
+    with pytest.raises(ValueError, match=r"--longctx-model-state-offload host: .*drop the flag"):
+        install_and_report(torch.nn.Linear(2, 2), cfg)
