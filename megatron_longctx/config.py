@@ -282,8 +282,6 @@ class MemoryConfig:
         if self.offload_policy == "modules" and self.recompute_granularity == "full":
             raise flag_error("offload_policy", "under full recompute a layer saves only its input; "
                                                "use --longctx-offload-policy checkpoint instead of 'modules'")
-        if self.offload_disk_dir is not None and self.offload_target != "disk":
-            raise flag_error("offload_disk_dir", "is only used with --longctx-offload-target disk")
 
     @property
     def offload_enabled(self) -> bool:
@@ -299,8 +297,35 @@ class MemoryConfig:
                 or self.tiled_loss_tiles > 1 or self.lean_norm)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelStateConfig:
+    """Model states off the device: each layer's weights streamed into device slots for its use, its main
+    gradients accumulated off the device (on the host pool, sharing --longctx-offload-host-pool-bytes with
+    the activations, or in files under --longctx-offload-disk-dir)."""
+
+    model_state_offload: Literal["none", "host", "disk"] = field(
+        default="none", metadata={"help": "where weights and main gradients live between uses: none (on the device) | "
+                                          "host (pinned host pool) | disk (files, staged through the host pool)"}
+    )
+    model_state_slots: int = field(
+        default=2, metadata={"help": "device slots for streamed weights (and for gradients), each sized for the "
+                                     "largest layer; at least 2 (one in use, one being filled)"}
+    )
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        if isinstance(self.model_state_slots, bool) or not isinstance(self.model_state_slots, int) \
+                or self.model_state_slots < 2:
+            raise flag_error("model_state_slots", f"got {self.model_state_slots!r}; give an integer >= 2")
+
+    @property
+    def enabled(self) -> bool:
+        return self.model_state_offload != "none"
+
+
 # The feature dataclasses whose fields become --longctx-* flags, with the LongContextConfig attribute.
-FEATURES: tuple[tuple[str, type], ...] = (("cp", ContextParallelConfig), ("memory", MemoryConfig))
+FEATURES: tuple[tuple[str, type], ...] = (("cp", ContextParallelConfig), ("memory", MemoryConfig),
+                                            ("model_states", ModelStateConfig))
 
 
 def _field_owner() -> dict[str, str]:
@@ -323,8 +348,16 @@ class LongContextConfig:
 
     cp: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    model_states: ModelStateConfig = field(default_factory=ModelStateConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_states, ModelStateConfig):
+            raise TypeError("LongContextConfig.model_states must be a ModelStateConfig, got "
+                            f"{type(self.model_states).__name__}")
+        if self.memory.offload_disk_dir is not None and self.memory.offload_target != "disk" \
+                and self.model_states.model_state_offload != "disk":
+            raise flag_error("offload_disk_dir", "is only used with --longctx-offload-target disk or "
+                                                 "--longctx-model-state-offload disk")
         if not isinstance(self.cp, ContextParallelConfig):
             raise TypeError(f"LongContextConfig.cp must be a ContextParallelConfig, got {type(self.cp).__name__}")
         if not isinstance(self.memory, MemoryConfig):

@@ -228,7 +228,33 @@ def check_after_parsing(args: argparse.Namespace) -> LongContextConfig:
     if cfg.memory.recompute_tiles > 1:
         _check_recompute_tiles(args, cfg, cp_size)
     check_window(getattr(args, "window_size", None), getattr(args, "seq_length", None))
+    if cfg.model_states.enabled:
+        _check_model_states(args, cfg)
     return cfg
+
+
+def _check_model_states(args: argparse.Namespace, cfg: LongContextConfig) -> None:
+    """Model-state offload against Megatron's flags, its disk directory and the host pool's bound."""
+    import os
+    import tempfile
+
+    from megatron_longctx.memory import model_state_checks as model_states
+
+    model_states.check_megatron_offload(vars(args))
+    if cfg.model_states.model_state_offload == "disk":
+        save = getattr(args, "save", None)
+        root = cfg.memory.offload_disk_dir or (os.path.join(save, "offload") if save else tempfile.gettempdir())
+        model_states.check_disk_dir(root)
+    hidden = getattr(args, "hidden_size", None)
+    if hidden:
+        heads = getattr(args, "num_attention_heads", None) or 1
+        groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
+        gated = bool(getattr(args, "swiglu", False))
+        ffn = getattr(args, "ffn_hidden_size", None) or 4 * hidden
+        bf16 = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+        model_states.check_pool_holds_slots(cfg.memory.offload_host_pool_bytes,
+                                            model_states.layer_params(hidden, ffn, heads, groups or heads, gated),
+                                            2 if bf16 else 4)
 
 
 def check_window(window: Any, seq_length: Optional[int]) -> None:

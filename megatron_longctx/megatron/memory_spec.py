@@ -386,6 +386,10 @@ def megatron_config_without_plugin_recompute(config: Any, cfg: MemoryConfig) -> 
 def install_and_report(model: Any, cfg: LongContextConfig, who: str = "megatron-longctx") -> Optional[MemoryHandle]:
     """:func:`install` the memory features of ``cfg`` (if any) on a built ``model`` (a module or a list of
     chunks, each of which then holds the handle as ``_longctx_memory_handle``); rank 0 prints one line."""
+    if cfg.model_states.enabled:  # the streamer serves plain modules; Megatron's DDP buffers are not wired to it
+        raise ValueError(f"--longctx-model-state-offload {cfg.model_states.model_state_offload}: streaming model "
+                         "states is not wired into Megatron's DistributedDataParallel training loop in this version; "
+                         "drop the flag (megatron_longctx.memory.model_states.ModelStateStreamer serves a plain model)")
     if not cfg.memory.any_enabled:
         return None
     handle = install(model, cfg.memory)

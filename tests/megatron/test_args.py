@@ -62,7 +62,8 @@ def _literal_flags():
 
 
 def test_literal_fields_are_the_flags_with_choices():
-    assert {name for name, _ in _literal_flags()} == {"cp_algorithm", "offload_policy", "offload_target"}
+    assert {name for name, _ in _literal_flags()} == {"cp_algorithm", "offload_policy", "offload_target",
+                                                       "model_state_offload"}
     # the flag's choices are the attention's algorithms (one list) and "auto"
     assert dict(_literal_flags())["cp_algorithm"] == ("auto", *ALGORITHMS) == ("auto", "ring", "allgather", "ulysses",
                                                                                "hybrid")

@@ -27,7 +27,6 @@ def test_defaults_enable_nothing():
     (dict(offload_policy="modules", recompute_granularity="full"), "--longctx-offload-policy"),
     (dict(offload_policy="modules", offload_modules=()), "--longctx-offload-modules"),
     (dict(recompute_granularity="selective", recompute_modules=""), "--recompute-modules"),
-    (dict(offload_disk_dir="/tmp/x"), "--longctx-offload-disk-dir"),
 ])
 def test_bad_values_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):

@@ -1,0 +1,478 @@
+"""Model states off the device: each unit's weights come into a device slot for its use, its gradients leave.
+
+A *unit* is a module whose parameters move together (a transformer layer, the embedding, the output
+layer).  Between uses the off-device copy is the truth: a host buffer from the bounded
+:class:`~megatron_longctx.memory.host_pool.HostPool` (``host``, so activations and model states share one
+bound) or a file on local disk read back through a pool buffer used as staging (``disk``).  The device
+holds a few *weight slots* and *gradient slots*, each sized for the largest unit:
+
+* a forward pre-hook copies the unit's weights into a free weight slot and points each parameter's
+  ``.data`` at its view there (the next unit's copy is started at once into another slot, on the side
+  stream when the device is a GPU); the forward post-hook points ``.data`` back at the off-device copy and
+  frees the slot.  A recompute re-enters the same hooks, so the weights come in again for it;
+* a gradient hook on the unit's outputs brings the weights in again for the unit's backward and points
+  each parameter's ``main_grad`` (Megatron's gradient protocol) at a zeroed view of a gradient slot;
+  gradients autograd hands a parameter (``.grad``) are added into ``main_grad``; once every parameter of the
+  unit has its gradient, the slot is added into the off-device accumulator (across micro-batches) and both
+  slots are freed;
+* autograd may save a *view* of a weight (``F.linear`` saves ``weight.t()``): such a view is packed as a
+  recipe on its parameter, so backward reads the weights that are in a slot then, never a slot's later
+  contents.
+
+On the CPU the "device" is the CPU: the slots are still distinct tensors and every copy still happens, so
+:attr:`ModelStateStreamer.resident` (the bytes of parameters and gradients in device slots) is the real
+cost, and :meth:`ModelStateStreamer.check_released` fails if a unit's weights stay in a slot after its use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megatron_longctx.memory import hooks
+from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.offload_disk import DiskOffloadError, RunDir, read_file, write_file
+
+FLAG = "--longctx-model-state-offload"
+TARGETS = ("none", "host", "disk")
+_ALIGN = 64  # bytes: every parameter's view starts on this boundary
+
+
+class ModelStateError(RuntimeError):
+    """The model states cannot be placed or moved (the message names the flag, what and the fix)."""
+
+
+@dataclasses.dataclass
+class _Param:
+    param: torch.nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int  # byte offset in the unit's weight bytes
+    goffset: int  # byte offset in the unit's gradient bytes (-1: no gradient)
+    grad_dtype: torch.dtype
+
+
+class _Unit:
+    """One unit's parameters, their layout and where their bytes live between uses."""
+
+    def __init__(self, index: int, module: torch.nn.Module, grad_dtype: Optional[torch.dtype]) -> None:
+        self.index, self.module = index, module
+        self.params: list[_Param] = []
+        nbytes = gbytes = 0
+        seen: set = set()
+        for p in module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            gdt = grad_dtype or p.dtype
+            goff = -1
+            if p.requires_grad:
+                goff, gbytes = gbytes, _aligned(gbytes + p.numel() * torch.empty((), dtype=gdt).element_size())
+            self.params.append(_Param(p, p.shape, p.dtype, nbytes, goff, gdt))
+            nbytes = _aligned(nbytes + p.numel() * p.element_size())
+        self.nbytes, self.gbytes = nbytes, gbytes
+        self.host: Optional[torch.Tensor] = None  # [nbytes] uint8 (host target)
+        self.ghost: Optional[torch.Tensor] = None  # [gbytes] uint8 gradient accumulator (host target)
+        self.path: Optional[str] = None  # weights file (disk target)
+        self.gpath: Optional[str] = None  # gradient accumulator file (disk target)
+        self.has_grad = False  # the accumulator holds gradients of this step
+        self.wslot: Optional[int] = None
+        self.gslot: Optional[int] = None
+        self.pending: set = set()  # ids of parameters whose gradient has not come yet
+        self.in_forward = 0
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    return buf[offset:offset + n].view(dtype).view(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    """How the model states are streamed.
+
+    target: ``host`` or ``disk``.  device: where the slots live (the compute device).  pool: the host
+    pool whose bound the off-device copies (``host``) or the staging buffers (``disk``) count against.
+    disk_dir: the root of the run directory for ``disk``.  slots: weight slots (and gradient slots).
+    grad_dtype: dtype of the main gradients (None: the parameter's).  accumulate_grad: add ``.grad``
+    into ``main_grad`` here (False when Megatron's DDP hooks do it).  reduce_group: a process group (data
+    parallel x context parallel) the gradient slot is summed over before it leaves the device.
+    """
+
+    target: str
+    device: torch.device
+    pool: HostPool
+    disk_dir: Optional[str] = None
+    slots: int = 2
+    grad_dtype: Optional[torch.dtype] = torch.float32
+    accumulate_grad: bool = True
+    reduce_group: Any = None
+
+
+class ModelStateStreamer:
+    """Streams ``units``' weights in and their gradients out (see the module docstring)."""
+
+    def __init__(self, units: Sequence[torch.nn.Module], opts: StreamOptions) -> None:
+        if opts.target not in ("host", "disk"):
+            raise ModelStateError(f"{FLAG}: unknown target {opts.target!r}; use one of host, disk")
+        if opts.slots < 2:
+            raise ModelStateError(f"{FLAG}: needs at least two device slots (one in use, one being filled)")
+        self.opts = opts
+        self.units = [_Unit(i, m, opts.grad_dtype) for i, m in enumerate(units)]
+        self._by_param = {id(p.param): u for u in self.units for p in u.params}
+        if len(self._by_param) != sum(len(u.params) for u in self.units):
+            raise ModelStateError(f"{FLAG}: a parameter is shared by two units (tie them into one unit)")
+        self.slot_bytes = max(u.nbytes for u in self.units)
+        self.gslot_bytes = max(u.gbytes for u in self.units)
+        self.run_dir = RunDir(os.path.join(opts.disk_dir, "model-states")) if opts.target == "disk" else None
+        self._staging: Optional[torch.Tensor] = None
+        self._place_off_device()
+        dev = opts.device
+        self.wslots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=dev) for _ in range(opts.slots)]
+        self.gslots = [torch.empty(self.gslot_bytes, dtype=torch.uint8, device=dev) for _ in range(opts.slots)]
+        self._wowner: list = [None] * opts.slots
+        self._gowner: list = [None] * opts.slots
+        self._slot_ptrs = {s.untyped_storage().data_ptr(): i for i, s in enumerate(self.wslots)}
+        self.resident = 0  # bytes of parameters and gradients now in device slots
+        self.peak_resident = 0
+        self.loads = self.grad_flushes = 0
+        self.sync_grads = True  # False for all but a step's last micro-batch (as DDP's no_sync)
+        self._forward_ctx: list = []
+        self._handles: list = []
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def capacity(self) -> int:
+        """Bytes the device slots hold: the bound on :attr:`resident`."""
+        return len(self.wslots) * self.slot_bytes + len(self.gslots) * self.gslot_bytes
+
+    def _take(self, nbytes: int, what: str) -> torch.Tensor:
+        buf = self.opts.pool.take(nbytes)
+        if buf is None:
+            pool = self.opts.pool
+            raise ModelStateError(
+                f"{FLAG} {self.opts.target}: the host pool cannot hold {what} ({nbytes} bytes; bound "
+                f"{pool.capacity}, in use {pool.used}): raise --longctx-offload-host-pool-bytes")
+        return buf
+
+    def _place_off_device(self) -> None:
+        if self.opts.target == "disk":  # one staging buffer for the largest unit (weights or gradients)
+            self._staging = self._take(max(max(u.nbytes, u.gbytes) for u in self.units), "the disk staging buffer")
+        for u in self.units:
+            if self.opts.target == "host":
+                u.host = self._take(u.nbytes, f"unit {u.index}'s weights")
+                u.ghost = self._take(u.gbytes, f"unit {u.index}'s gradients") if u.gbytes else None
+                if u.ghost is not None:
+                    u.ghost.zero_()
+            for p in u.params:
+                src = p.param.data.reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes
+                if u.host is not None:
+                    u.host[p.offset:p.offset + src.numel()].copy_(src)
+                else:
+                    assert self._staging is not None
+                    self._staging[p.offset:p.offset + src.numel()].copy_(src)
+            if self.opts.target == "disk":
+                assert self.run_dir is not None and self._staging is not None
+                u.path = os.path.join(self.run_dir.path, f"unit{u.index}.w")
+                u.gpath = os.path.join(self.run_dir.path, f"unit{u.index}.g")
+                self._write(self._staging[:u.nbytes], u.path, f"unit {u.index}'s weights")
+            self._point_off_device(u)
+
+    def _write(self, data: torch.Tensor, path: str, what: str) -> None:
+        try:
+            write_file(data.cpu() if data.device.type != "cpu" else data, path)
+        except DiskOffloadError as exc:
+            code = errno.errorcode.get(exc.errno or 0, "EIO")
+            raise ModelStateError(
+                f"{FLAG} disk: writing {what} ({data.numel()} bytes) to {path} failed: {code} ({os.strerror(exc.errno or errno.EIO)}); "
+                f"free space under {os.path.dirname(path)}, point --longctx-offload-disk-dir at a larger disk, "
+                f"or use {FLAG} host") from exc
+
+    def _point_off_device(self, u: _Unit) -> None:
+        """Parameters between uses: views of the host copy (``host``); for ``disk`` a one-element
+        placeholder of the right shape (the values are in the file; :meth:`unit_weights` reads them)."""
+        for p in u.params:
+            if u.host is not None:
+                p.param.data = _view(u.host, p.offset, p.dtype, p.shape)
+                if p.goffset >= 0 and u.ghost is not None:
+                    p.param.main_grad = _view(u.ghost, p.goffset, p.grad_dtype, p.shape)
+            else:
+                p.param.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)
+                if p.goffset >= 0:
+                    p.param.main_grad = None
+
+    # ------------------------------------------------------------------ weights in and out
+    def _free_slot(self, owners: list) -> Optional[int]:
+        for i, owner in enumerate(owners):
+            if owner is None:
+                return i
+        return None
+
+    def _load(self, u: _Unit) -> None:
+        """``u``'s weights into a weight slot (if not there yet) and its parameters pointed at them."""
+        if u.wslot is None:
+            slot = self._free_slot(self._wowner)
+            if slot is None:
+                raise ModelStateError(f"{FLAG}: no free device slot for unit {u.index} (units in slots: "
+                                      f"{[o.index for o in self._wowner if o is not None]})")
+            self._wowner[slot], u.wslot = u, slot
+            dst = self.wslots[slot][:u.nbytes]
+            if u.host is not None:
+                dst.copy_(u.host, non_blocking=True)
+            else:
+                assert u.path is not None and self._staging is not None
+                dst.copy_(self._read(u.path, u.nbytes, f"unit {u.index}'s weights"))
+            self._charge(u.nbytes)
+            self.loads += 1
+        buf = self.wslots[u.wslot]
+        for p in u.params:
+            p.param.data = _view(buf, p.offset, p.dtype, p.shape)
+
+    def _read(self, path: str, nbytes: int, what: str) -> torch.Tensor:
+        assert self._staging is not None
+        try:
+            return read_file(path, nbytes, 0, self._staging[:nbytes])
+        except DiskOffloadError as exc:
+            raise ModelStateError(f"{FLAG} disk: reading {what} ({nbytes} bytes) failed: {exc}") from exc
+
+    def _release(self, u: _Unit) -> None:
+        if u.wslot is None:
+            return
+        self._wowner[u.wslot], u.wslot = None, None
+        self._charge(-u.nbytes)
+        self._point_off_device(u)
+
+    def _charge(self, n: int) -> None:
+        self.resident += n
+        self.peak_resident = max(self.peak_resident, self.resident)
+        assert self.resident <= self.capacity, (self.resident, self.capacity)
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self) -> None:
+        for u in self.units:
+            m = u.module
+            self._handles.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u)))
+            self._handles.append(m.register_forward_hook(lambda _m, _a, out, u=u: self._post_forward(u, out)))
+            for p in u.params:
+                if p.goffset >= 0:
+                    self._handles.append(p.param.register_post_accumulate_grad_hook(
+                        lambda param, u=u: self._grad_ready(u, param)))
+
+    def _pre_forward(self, u: _Unit) -> None:
+        self._load(u)
+        u.in_forward += 1
+        ctx = hooks.packing(_SlotViewPacker(self))
+        ctx.__enter__()
+        self._forward_ctx.append(ctx)
+
+    def _post_forward(self, u: _Unit, out: Any) -> None:
+        self._forward_ctx.pop().__exit__(None, None, None)
+        if torch.is_grad_enabled():  # the unit's backward starts when a gradient reaches one of its outputs
+            for t in _tensors(out):
+                if t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(lambda g, u=u: self._pre_backward(u))
+        u.in_forward -= 1
+        if not u.in_forward and u.gslot is None:
+            self._release(u)
+
+    def _pre_backward(self, u: _Unit) -> None:
+        if u.gslot is not None:  # another output of the unit got there first
+            return
+        self._load(u)
+        if u.gslot is None and u.gbytes:
+            slot = self._free_slot(self._gowner)
+            if slot is None:
+                raise ModelStateError(f"{FLAG}: no free gradient slot for unit {u.index}")
+            self._gowner[slot], u.gslot = u, slot
+            self._charge(u.gbytes)
+            gbuf = self.gslots[slot][:u.gbytes].view(torch.uint8)
+            gbuf.zero_()
+            for p in u.params:
+                if p.goffset >= 0:
+                    p.param.main_grad = _view(gbuf, p.goffset, p.grad_dtype, p.shape)
+            u.pending = {id(p.param) for p in u.params if p.goffset >= 0}
+
+    def _grad_ready(self, u: _Unit, param: torch.Tensor) -> None:
+        if self.opts.accumulate_grad and param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        u.pending.discard(id(param))
+        if not u.pending and u.gslot is not None:
+            self._flush(u)
+
+    def _flush(self, u: _Unit) -> None:
+        """``u``'s gradient slot added into its off-device accumulator; both its slots freed."""
+        assert u.gslot is not None
+        gbuf = self.gslots[u.gslot][:u.gbytes]
+        group = self.opts.reduce_group
+        if self.sync_grads and group is not None and torch.distributed.get_world_size(group) > 1:
+            self._reduce(u, gbuf, group)
+            return
+        self._accumulate(u, gbuf)
+        self._done(u)
+
+    def _reduce(self, u: _Unit, gbuf: torch.Tensor, group: Any) -> None:
+        """The last micro-batch: the accumulated gradients join the slot, the slot is summed over ``group`` and
+        becomes the accumulator (one reduction per step of what the micro-batches accumulated, as DDP's)."""
+        if u.has_grad:
+            acc = u.ghost if u.ghost is not None else self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
+            for p in u.params:
+                if p.goffset >= 0:
+                    _view(gbuf, p.goffset, p.grad_dtype, p.shape).add_(
+                        _view(acc, p.goffset, p.grad_dtype, p.shape).to(gbuf.device))
+        for p in u.params:  # every rank flushes its units in the same order: the collectives match
+            if p.goffset >= 0:
+                torch.distributed.all_reduce(_view(gbuf, p.goffset, p.grad_dtype, p.shape), group=group)
+        if u.ghost is not None:
+            u.ghost.copy_(gbuf)
+        else:
+            assert self._staging is not None and u.gpath is not None
+            self._staging[:u.gbytes].copy_(gbuf)
+            self._write(self._staging[:u.gbytes], u.gpath, f"unit {u.index}'s gradients")
+        self._done(u)
+
+    def _accumulate(self, u: _Unit, gbuf: torch.Tensor) -> None:
+        for p in u.params:
+            if p.goffset < 0:
+                continue
+            n = p.shape.numel()
+            src = gbuf[p.goffset:p.goffset + n * torch.empty((), dtype=p.grad_dtype).element_size()]
+            if u.ghost is not None:
+                _view(u.ghost, p.goffset, p.grad_dtype, p.shape).add_(src.view(p.grad_dtype).view(p.shape).cpu())
+        if u.gpath is not None:
+            acc = self._staging
+            assert acc is not None
+            acc = acc[:u.gbytes]
+            if u.has_grad:
+                acc.copy_(self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients"))
+                _add_bytes(u, acc, gbuf.cpu())
+            else:
+                acc.copy_(gbuf)
+            self._write(acc, u.gpath, f"unit {u.index}'s gradients")
+
+    def _done(self, u: _Unit) -> None:
+        assert u.gslot is not None
+        u.has_grad = True
+        self._gowner[u.gslot], u.gslot = None, None
+        self._charge(-u.gbytes)
+        self.grad_flushes += 1
+        if not u.in_forward:
+            self._release(u)
+
+    def finish_backward(self) -> None:
+        """Flush every unit whose backward did not reach all its parameters (unused parameters)."""
+        for u in self.units:
+            if u.gslot is not None:
+                self._flush(u)
+            if not u.in_forward:
+                self._release(u)
+
+    # ------------------------------------------------------------------ between steps
+    def zero_grad(self) -> None:
+        for u in self.units:
+            if u.ghost is not None:
+                u.ghost.zero_()
+            u.has_grad = False
+
+    def unit_weights(self, index: int) -> list[torch.Tensor]:
+        """Unit ``index``'s weights as they are off the device (copies for ``disk``)."""
+        u = self.units[index]
+        data = u.host if u.host is not None else self._read(u.path, u.nbytes, f"unit {index}'s weights").clone()
+        return [_view(data, p.offset, p.dtype, p.shape) for p in u.params]
+
+    def unit_grads(self, index: int) -> list[Optional[torch.Tensor]]:
+        """Unit ``index``'s accumulated main gradients (None where a parameter has none)."""
+        u = self.units[index]
+        if u.ghost is not None:
+            data: Optional[torch.Tensor] = u.ghost
+        elif u.has_grad:
+            data = self._read(u.gpath, u.gbytes, f"unit {index}'s gradients").clone()
+        else:
+            data = torch.zeros(u.gbytes, dtype=torch.uint8)
+        return [None if p.goffset < 0 else _view(data, p.goffset, p.grad_dtype, p.shape) for p in u.params]
+
+    def store_weights(self, index: int, values: Sequence[torch.Tensor]) -> None:
+        """Write updated weights of unit ``index`` to its off-device copy (``disk``; ``host`` is updated in
+        place by an optimizer that steps the parameters)."""
+        u = self.units[index]
+        if u.host is not None:
+            for p, v in zip(u.params, values):
+                _view(u.host, p.offset, p.dtype, p.shape).copy_(v)
+            return
+        assert self._staging is not None and u.path is not None
+        for p, v in zip(u.params, values):
+            _view(self._staging, p.offset, p.dtype, p.shape).copy_(v)
+        self._write(self._staging[:u.nbytes], u.path, f"unit {index}'s weights")
+
+    def check_released(self) -> None:
+        """Fail if any unit's weights or gradients are still in a device slot."""
+        held = [u.index for u in self.units if u.wslot is not None or u.gslot is not None]
+        for u in self.units:
+            for p in u.params:
+                if p.param.data.untyped_storage().data_ptr() in self._slot_ptrs:
+                    held.append(u.index)
+        if held or self.resident:
+            raise AssertionError(f"units {sorted(set(held))} still hold device slots ({self.resident} bytes)")
+
+    def describe(self) -> str:
+        where = "pinned host pool" if self.opts.target == "host" else f"disk {self.run_dir.path}"
+        return (f"model states of {len(self.units)} units on the {where}, "
+                f"{len(self.wslots)} device slots of {self.slot_bytes} + {self.gslot_bytes} bytes")
+
+    def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+        if self.run_dir is not None:
+            self.run_dir.remove()
+
+
+def _tensors(out: Any) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+def _add_bytes(u: _Unit, acc: torch.Tensor, add: torch.Tensor) -> None:
+    for p in u.params:
+        if p.goffset >= 0:
+            _view(acc, p.goffset, p.grad_dtype, p.shape).add_(_view(add, p.goffset, p.grad_dtype, p.shape))
+
+
+class _SlotViewPacker:
+    """Saves a view of a weight in a slot (``weight.t()``) as a recipe on its parameter, so backward reads the
+    weights then in the slot (a slot's later contents may be another unit's)."""
+
+    def __init__(self, streamer: ModelStateStreamer) -> None:
+        self.s = streamer
+
+    def pack(self, t: torch.Tensor) -> Optional[Any]:
+        if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() not in self.s._slot_ptrs:
+            return None
+        for u in self.s.units:
+            if u.wslot is None:
+                continue
+            for p in u.params:
+                d = p.param.data
+                if (d.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and d.dtype == t.dtype
+                        and d.storage_offset() <= t.storage_offset() < d.storage_offset() + d.numel()):
+                    return p.param, t.shape, t.stride(), t.storage_offset() - d.storage_offset()
+        raise ModelStateError(f"{FLAG}: autograd saved a tensor in a weight slot that is no view of a parameter")
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        param, shape, stride, rel = packed
+        d = param.data
+        return d.as_strided(shape, stride, d.storage_offset() + rel)
+
