@@ -18,9 +18,6 @@ Prints three tables and writes JSON::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 
@@ -33,6 +30,7 @@ from megatron_longctx.attention.layout import dense_layout as SeqLayout
 from megatron_longctx.attention.schedule import ring_schedule
 from megatron_longctx.kernels.base import BlockMask
 from megatron_longctx.procs import spawn_ranks
+from megatron_longctx.bench import harness
 
 SPAWN_TIMEOUT_S = 1800.0  # per multi-rank measurement; a rank that raises ends it at once
 
@@ -204,12 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     wire = bytes_rows()
     wall = walltime_row({"s": opts.seq, "b": 1, "hq": 8, "hkv": 2, "d": 64}, opts.repeats)
     _print_tables(balance, wire, wall)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-            "machine": platform.machine()}
-    os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-    with open(opts.json, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "balance": balance, "bytes": wire, "walltime": wall}, f, indent=2)
-    print(f"wrote {opts.json}")
+    harness.write_json(opts.json, {"meta": harness.environment(), "balance": balance, "bytes": wire, "walltime": wall})
 
 
 if __name__ == "__main__":
