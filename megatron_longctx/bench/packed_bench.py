@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 
 import torch
 
@@ -82,12 +80,7 @@ def measure(lengths: list[int], mask: BlockMask, backend: str, repeats: int, hea
     step()  # warm-up (and the schedule's caches)
     with _Counter(select.BACKENDS[backend]) as counter:
         step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    seconds = harness.median_seconds(step, repeats, warm_up=False)
     return {"docs": len(lengths), "tokens": sum(lengths), "pairs": pairs, "schedule_calls": len(calls),
             "backend_calls": counter.counts, "seconds": seconds, "ns_per_pair": seconds / pairs * 1e9}
 

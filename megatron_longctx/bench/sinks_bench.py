@@ -17,8 +17,6 @@ work is the same per row under every CP algorithm.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable
 
 import torch
@@ -29,17 +27,7 @@ from megatron_longctx.bench import harness
 
 
 def _median_s(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return harness.median_seconds(fn, repeats, device=device)
 
 
 def measure(seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,

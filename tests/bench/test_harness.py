@@ -23,3 +23,12 @@ def test_write_json_makes_the_folder_and_round_trips(tmp_path, capsys):
     harness.write_json(str(path), payload)
     assert json.loads(path.read_text()) == payload
     assert f"wrote {path}" in capsys.readouterr().out
+
+
+def test_median_seconds_warms_up_once_then_times_each_repeat():
+    calls = []
+    seconds = harness.median_seconds(lambda: calls.append(1), 5)
+    assert len(calls) == 6 and seconds >= 0.0
+    calls.clear()
+    harness.median_seconds(lambda: calls.append(1), 3, warm_up=False)
+    assert len(calls) == 3
