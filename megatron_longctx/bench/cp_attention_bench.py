@@ -8,7 +8,7 @@ Prints three tables and writes JSON::
    (:func:`megatron_longctx.attention.schedule_flops`, no processes), Megatron's zigzag layout
    against naive contiguous sharding; max/mean per configuration (1.00 = perfect).
 2. Bytes each rank sends per layer, counted by the communication layer itself
-   (``attention.comm.STATS``) on gloo ranks, against the formulas of ``ANCHORS.md``.
+   (``attention.comm.STATS``) on gloo ranks, against the closed-form bytes of :func:`anchor_forward_bytes`.
 3. Wall time of forward + backward, causal, ``cp=2`` ring on two single-threaded ranks against the
    same block kernel over the whole sequence in one process with two threads (same total threads);
    speed-up = single / ring (1.0 = no overhead from splitting the work).  CPU seconds (all threads,
@@ -18,9 +18,6 @@ Prints three tables and writes JSON::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 
@@ -33,6 +30,7 @@ from megatron_longctx.attention.layout import dense_layout as SeqLayout
 from megatron_longctx.attention.schedule import ring_schedule
 from megatron_longctx.kernels.base import BlockMask
 from megatron_longctx.procs import spawn_ranks
+from megatron_longctx.bench import harness
 
 SPAWN_TIMEOUT_S = 1800.0  # per multi-rank measurement; a rank that raises ends it at once
 
@@ -70,7 +68,7 @@ def balance_rows(cp_sizes=(2, 4, 8), chunk: int = 1024, heads: int = 32, d: int 
 def anchor_forward_bytes(
     algorithm: str, p: int, s: int, b: int, hq: int, hkv: int, d: int, e: int, u: int = 1
 ) -> float:
-    """ANCHORS.md forward bytes per rank per layer.
+    """Closed-form forward bytes each rank sends per layer (the ring passes K/V; Ulysses all-to-alls Q/K/V/O).
 
     Hybrid: the Ulysses formula over its ``u``-rank all-to-all groups plus the ring formula across them.
     """
@@ -177,7 +175,7 @@ def _print_tables(balance: list[dict], wire: list[dict], wall: dict) -> None:
         transfers = row.get("ring_transfers", "")
         print(f"{row['cp']:>3} {row['config']:<32} {row['max_over_mean']:>9.3f} {transfers:>15}")
     print("\n2. Bytes sent per rank per layer (bf16, b=1, hq=8, hkv=2, d=64, 256 tokens per rank)")
-    print(f"{'cp':>3} {'algorithm':<12} {'fwd measured':>13} {'fwd ANCHORS':>12} {'ratio':>6} "
+    print(f"{'cp':>3} {'algorithm':<12} {'fwd measured':>13} {'fwd formula':>12} {'ratio':>6} "
           f"{'bwd measured':>13} {'bwd/fwd':>8}")
     for row in wire:
         ratio = row["fwd_bytes"] / row["anchor_fwd_bytes"]
@@ -204,12 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     wire = bytes_rows()
     wall = walltime_row({"s": opts.seq, "b": 1, "hq": 8, "hkv": 2, "d": 64}, opts.repeats)
     _print_tables(balance, wire, wall)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-            "machine": platform.machine()}
-    os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-    with open(opts.json, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "balance": balance, "bytes": wire, "walltime": wall}, f, indent=2)
-    print(f"wrote {opts.json}")
+    harness.write_json(opts.json, {"meta": harness.environment(), "balance": balance, "bytes": wire, "walltime": wall})
 
 
 if __name__ == "__main__":

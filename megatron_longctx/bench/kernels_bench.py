@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import statistics
 import time
 
 import torch
 
 from megatron_longctx.kernels import BlockArgs, BlockMask, cpu_flash, reference
+from megatron_longctx.bench import harness
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,15 +151,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--repeats={opts.repeats}: must be >= 1")
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor()}
+    meta = harness.environment()
     if opts.window_table:
         if opts.window < 0 or any(n < 1 for n in opts.lengths):
             parser.error("--window must be >= 0 and --lengths positive")
         rows = window_table(opts.lengths, opts.window, opts.repeats)
         print_window_table(rows)
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "repeats": opts.repeats, "window": opts.window, "results": rows}, f, indent=2)
-        print(f"wrote {opts.json}")
+        harness.write_json(opts.json, {"meta": meta, "repeats": opts.repeats, "window": opts.window, "results": rows})
         return
     dtypes = []
     for dtype_name in opts.dtypes:
@@ -170,9 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         dtypes.append(dtype)
     rows = run(QUICK_SHAPES if opts.quick else SHAPES, dtypes, opts.repeats)
     print_table(rows)
-    with open(opts.json, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "repeats": opts.repeats, "results": rows}, f, indent=2)
-    print(f"wrote {opts.json}")
+    harness.write_json(opts.json, {"meta": meta, "repeats": opts.repeats, "results": rows})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Prints one table per length distribution and writes JSON::
 from __future__ import annotations
 
 import argparse
-import json
 import random
 
 from megatron_longctx.attention.layout import Packing, SeqLayout as PackedLayout
@@ -30,6 +29,7 @@ from megatron_longctx.attention.segments import visible_pairs
 from megatron_longctx.kernels import varlen
 from megatron_longctx.kernels.base import BlockArgs, BlockMask
 from megatron_longctx.kernels.driver import flash2_pieces
+from megatron_longctx.bench import harness
 
 SCHEMES = ("contiguous", "zigzag-seq", "zigzag-doc")
 
@@ -131,11 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, lengths in distributions(opts.seed).items():
         results[name] = measure(lengths, opts.cp, mask, opts.heads, opts.head_dim)
         print(_table(name, results[name], opts.cp))
-    meta = {"cp": opts.cp, "heads": opts.heads, "head_dim": opts.head_dim, "window": opts.window,
-            "flops": "forward attention, 4*head_dim*heads per visible same-document pair"}
-    with open(opts.json, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
-    print(f"wrote {opts.json}")
+    meta = harness.environment(cp=opts.cp, heads=opts.heads, head_dim=opts.head_dim, window=opts.window,
+                               flops="forward attention, 4*head_dim*heads per visible same-document pair")
+    harness.write_json(opts.json, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

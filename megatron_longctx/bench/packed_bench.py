@@ -18,11 +18,7 @@ takes) for a pack of ``--docs`` documents and for dense causal sequences, and re
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
-import statistics
-import time
 
 import torch
 
@@ -31,6 +27,7 @@ from megatron_longctx.attention.schedule import ring_schedule
 from megatron_longctx.attention.block_loop import attend_local, attend_local_backward
 from megatron_longctx.kernels import select
 from megatron_longctx.kernels.base import BlockMask
+from megatron_longctx.bench import harness
 
 
 class _Counter:
@@ -83,12 +80,7 @@ def measure(lengths: list[int], mask: BlockMask, backend: str, repeats: int, hea
     step()  # warm-up (and the schedule's caches)
     with _Counter(select.BACKENDS[backend]) as counter:
         step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    seconds = harness.median_seconds(step, repeats, warm_up=False)
     return {"docs": len(lengths), "tokens": sum(lengths), "pairs": pairs, "schedule_calls": len(calls),
             "backend_calls": counter.counts, "seconds": seconds, "ns_per_pair": seconds / pairs * 1e9}
 
@@ -133,11 +125,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['backend']:>10} {r['case']:>18} {r['docs']:>5} {r['tokens']:>8} {r['pairs'] / 1e6:>8.2f} "
               f"{c['forward_blocks'] or c['forward']:>10} {c['backward_blocks'] or c['backward']:>10} "
               f"{r['seconds']:>8.3f} {r['ns_per_pair']:>9.1f} {r['packed_over_dense']:>9.2f}")
-    meta = {"machine": platform.machine(), "threads": torch.get_num_threads(), "dtype": opts.dtype,
-            "heads": opts.heads, "kv_heads": opts.kv_heads, "head_dim": opts.head_dim, "repeats": opts.repeats}
-    with open(opts.json, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    print(f"wrote {opts.json}")
+    meta = harness.environment(dtype=opts.dtype, heads=opts.heads, kv_heads=opts.kv_heads, head_dim=opts.head_dim,
+                               repeats=opts.repeats)
+    harness.write_json(opts.json, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -350,12 +350,24 @@ def predict_step_s(points: Sequence[tuple[int, float]], seq: int, degree: int) -
     return sum(c * (seq / ref) ** k for k, c in best[1].items())
 
 
-def run_series(series: Series, lengths: Sequence[int], *, model: ModelSpec, window: tuple[int, int], budget_s: float,
-               memory_budget_gib: float, single_step_from: int, startup_s: float, fixed_mib: Optional[float],
+@dataclasses.dataclass(frozen=True)
+class SweepSettings:
+    """What every series of one sweep shares: the model, the window and the budgets."""
+    model: ModelSpec
+    window: tuple[int, int]
+    budget_s: float
+    memory_budget_gib: float
+    single_step_from: int
+    startup_s: float
+
+
+def run_series(series: Series, lengths: Sequence[int], sweep: SweepSettings, *, fixed_mib: Optional[float],
                runner: Optional[Runner], log: Callable[[str], None] = print,
                on_row: Callable[[dict[str, Any]], None] = lambda row: None) -> list[dict[str, Any]]:
     """The rows of one series, shortest first, each given to ``on_row`` once final; ``runner=None``: planned
     only (``--dry-run``)."""
+    model, window, budget_s = sweep.model, sweep.window, sweep.budget_s
+    memory_budget_gib, single_step_from, startup_s = sweep.memory_budget_gib, sweep.single_step_from, sweep.startup_s
     rows: list[dict[str, Any]] = []
     points: list[tuple[int, float]] = []
     stopped: Optional[str] = None
@@ -463,9 +475,9 @@ def run(args: argparse.Namespace, runner: Optional[Runner] = None,
 
     for series in args.series_list:
         cal = calibration.get(series.kind, {})
-        run_series(series, args.lengths if series.windowed else args.causal_lengths, model=model, window=args.window,
-                   single_step_from=args.single_step_from, fixed_mib=cal.get("fixed_mib"), runner=runner,
-                   on_row=add, **limits)
+        sweep = SweepSettings(model=model, window=args.window, single_step_from=args.single_step_from, **limits)
+        run_series(series, args.lengths if series.windowed else args.causal_lengths, sweep,
+                   fixed_mib=cal.get("fixed_mib"), runner=runner, on_row=add)
     result["fits"] = report.fits(result["rows"], names)
     return result
 
@@ -488,7 +500,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 __all__ = ["MODELS", "SERIES", "build_parser", "main", "planner_bytes", "predict_step_s", "run", "run_series",
-           "script_args"]
+           "script_args", "SweepSettings"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,30 +17,17 @@ work is the same per row under every CP algorithm.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
 from typing import Callable
 
 import torch
 
 from megatron_longctx.attention import cp_attention
 from megatron_longctx.attention.sinks import add_sink, sink_grad
+from megatron_longctx.bench import harness
 
 
 def _median_s(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return harness.median_seconds(fn, repeats, device=device)
 
 
 def measure(seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -101,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['seq']:>8} {1e3 * r['attention_s']:>13.2f} {1e3 * r['with_sinks_s']:>14.2f} "
               f"{1e3 * r['sink_alone_s']:>14.3f} {r['sink_share_pct']:>10.2f}%")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=2)
+        harness.write_json(args.json, {"meta": harness.environment(), "rows": rows})
     return 0
 
 

@@ -75,7 +75,7 @@ ATTENTION: dict[tuple[str, str], Band] = {
 # balance, online-softmax merges, per-step launches), per backend.  TE's CP with cuDNN: 0.6, fitted with
 # cuDNN's 0.53 to NeMo's table (above).  The plugin's kernels run the zigzag block schedule of
 # ring-flash-attention, which keeps 0.90 of one flash-attn call on 8 x H800 at 8K tokens per GPU
-# (ANCHORS.md; its plain ring keeps 0.54).  gpu_check's ring section measures it (--calibrate).
+# (that project's published benchmark; its plain ring keeps 0.54).  gpu_check's ring section measures it (--calibrate).
 # Blackwell's TE rows keep the zigzag ring's 0.90: its shards are 32K-64K tokens per rank, where the per-step
 # merges and launches are a few percent of a block; the Hopper 0.6 is a fit on H100 runs, not a property of
 # the ring, and is not carried to another GPU generation.

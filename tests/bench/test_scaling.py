@@ -84,10 +84,12 @@ def test_predicted_step_follows_the_cost_model():
 
 
 def _series_rows(runner, lengths, series="causal", **overrides):
-    kw = dict(model=scaling.MODELS["llama"], window=(2048, 0), budget_s=100.0, memory_budget_gib=8.0,
-              single_step_from=1 << 20, startup_s=60.0, fixed_mib=None, runner=runner, log=lambda _: None)
-    kw.update(overrides)
-    return scaling.run_series(scaling.SERIES[series], lengths, **kw)
+    sweep = dict(model=scaling.MODELS["llama"], window=(2048, 0), budget_s=100.0, memory_budget_gib=8.0,
+                 single_step_from=1 << 20, startup_s=60.0)
+    kw = dict(fixed_mib=None, runner=runner, log=lambda _: None)
+    for key, value in overrides.items():
+        (sweep if key in sweep else kw)[key] = value
+    return scaling.run_series(scaling.SERIES[series], lengths, scaling.SweepSettings(**sweep), **kw)
 
 
 def test_budget_stops_a_series_before_the_step_that_would_exceed_it():
