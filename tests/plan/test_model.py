@@ -1,4 +1,4 @@
-"""The planner's formulas against hand-computed numbers (ANCHORS.md; Korthikanti et al. 2022)."""
+"""The planner's formulas against hand-computed numbers (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models")."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_ring_and_ulysses_bytes_match_anchor_formulas():
 
 
 def test_ring_overlap_threshold_matches_anchor():
-    # ANCHORS: Llama-3-8B ≈ 1.1K tokens/GPU on NVLink, ≈ 10K on InfiniBand.
+    # Published anchor: Llama-3-8B ≈ 1.1K tokens/GPU on NVLink, ≈ 10K on InfiniBand.
     m, hw = presets.model("llama3-8b"), presets.gpu("h100")
     assert ring_overlap_tokens(m, hw, inter_node=False) == pytest.approx(1.1e3, rel=0.05)
     assert ring_overlap_tokens(m, hw, inter_node=True) == pytest.approx(1.0e4, rel=0.05)
