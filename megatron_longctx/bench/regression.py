@@ -155,7 +155,8 @@ def _max_seq(args: argparse.Namespace, base_task: dict[str, Any], configs: list[
         log(f"    max {results[name]['max_seq']} tokens{' (cap)' if results[name]['at_cap'] else ''}; "
             f"probes {probes} ({time.perf_counter() - start:.0f} s)")
     out: dict[str, Any] = {"budget_bytes": budget, "granularity": granularity, "cap": args.max_seq_cap,
-                           "enforcement": ENFORCEMENT_GPU if _gpu() else ENFORCEMENT_CPU, "results": results}
+                           "enforcement": ENFORCEMENT_GPU if _gpu() else ENFORCEMENT_CPU, "results": results,
+                           "probes": "each in a fresh process, its base measured there after the warm-up"}
     return out
 
 
