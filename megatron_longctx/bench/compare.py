@@ -10,7 +10,18 @@ values, so a CI log says what regressed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import json
+import os
+from typing import Any, Optional
+
+# the headline figures recorded in the repository (see :mod:`.recorded`)
+RECORDED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded.json")
+
+
+def load_recorded(path: Optional[str] = None) -> dict[str, Any]:
+    """The recorded figures (``recorded.json`` beside this module unless ``path``)."""
+    with open(path or RECORDED_PATH) as f:
+        return json.load(f)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,18 +11,13 @@ recorded ones (:func:`megatron_longctx.bench.compare.compare_recorded`).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from typing import Any, Callable, Optional
 
-RECORDED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded.json")
+from megatron_longctx.bench.compare import RECORDED_PATH, load_recorded as load
 
-
-def load(path: Optional[str] = None) -> dict[str, Any]:
-    """The recorded figures (``recorded.json`` unless ``path``)."""
-    with open(path or RECORDED_PATH) as f:
-        return json.load(f)
+__all__ = ["RECORDED_PATH", "gate_probe", "load"]
 
 
 def gate_probe(gate: dict[str, Any], log: Callable[[str], None] = lambda s: None,

@@ -378,9 +378,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"--compare {args.compare}: schema {previous.get('schema')!r}, expected {report.SCHEMA!r}")
     figures = None
     if args.compare_recorded:  # read before the run: a missing file fails at once
-        from megatron_longctx.bench import recorded
-
-        figures = recorded.load(None if args.compare_recorded == "recorded" else args.compare_recorded)
+        figures = compare_mod.load_recorded(None if args.compare_recorded == "recorded" else args.compare_recorded)
     result = run(args)
     if args.peers:
         from megatron_longctx.bench import peers
