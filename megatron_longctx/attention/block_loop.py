@@ -1,7 +1,8 @@
 """The block loop: runs the block calls of :mod:`.segments` and folds their partial results with the online
 softmax (FlashAttention); its backward runs the same calls.  Each backend receives all of its calls of a step
 at once (:mod:`megatron_longctx.kernels.varlen`): a packed batch's documents become a few variable-length
-kernel calls where the backend has them.  Layout: ``[b, s, h, d]``.
+kernel calls where the backend has them; every other backend gets them one at a time.  Each call's result
+is merged as it returns, so a step holds one call's partial results, not every call's.  Layout: ``[b, s, h, d]``.
 """
 
 from __future__ import annotations
@@ -49,14 +50,40 @@ def attend_segments(
     accumulator dtype (float32, float64 for float64 inputs).  Each call's kernel comes from
     :func:`megatron_longctx.kernels.select.kernel_for` (``backend``: a name, or None for automatic).
     """
-    results = [None] * len(calls)
     for backend_module, items in _by_backend(q, k, v, calls, softmax_scale, backend):
+        for i, (out, lse) in _forward_each(backend_module, q, k, v, items):  # merged as each call returns
+            rows = slice(calls[i].q_lo, calls[i].q_hi)
+            merge_(out_acc[:, rows], lse_acc[:, :, rows], out, lse)  # [b, rows, h_q, d_v], [b, h_q, rows]
+            del out, lse
+
+
+def _forward_each(backend_module, q, k, v, items):
+    """``(call index, (out, lse))`` of each call as it returns: a backend with a many-block entry point
+    (:func:`megatron_longctx.kernels.varlen.forward_blocks`: one variable-length call per kind) gets the
+    step's calls at once, any other backend one call at a time, so only one call's result waits for
+    its merge."""
+    if getattr(backend_module, "forward_blocks", None) is not None:
         indices, blocks = zip(*items)
-        for i, result in zip(indices, varlen.forward_blocks(backend_module, q, k, v, blocks)):
-            results[i] = result
-    for c, (out, lse) in zip(calls, results):  # merged in call order: the sums of a call-by-call loop
-        rows = slice(c.q_lo, c.q_hi)
-        merge_(out_acc[:, rows], lse_acc[:, :, rows], out, lse)  # [b, rows, h_q, d_v], [b, h_q, rows]
+        results = varlen.forward_blocks(backend_module, q, k, v, blocks)
+        for n, i in enumerate(indices):
+            yield i, results[n]
+            results[n] = None  # merged: drop it before the next
+        return
+    for i, b in items:
+        yield i, varlen.forward_blocks(backend_module, q, k, v, [b])[0]
+
+
+def _backward_each(backend_module, dout, q, k, v, out, lse, items):
+    """``(call index, (dq, dk, dv))`` of each call as it returns (see :func:`_forward_each`)."""
+    if getattr(backend_module, "backward_blocks", None) is not None:
+        indices, blocks = zip(*items)
+        grads = varlen.backward_blocks(backend_module, dout, q, k, v, out, lse, blocks)
+        for n, i in enumerate(indices):
+            yield i, grads[n]
+            grads[n] = None
+        return
+    for i, b in items:
+        yield i, varlen.backward_blocks(backend_module, dout, q, k, v, out, lse, [b])[0]
 
 
 def _by_backend(q, k, v, calls: tuple[BlockCall, ...], softmax_scale: float, backend: str | None) -> list:
@@ -167,14 +194,12 @@ def attend_segments_backward(
     Adds each call's gradients to ``dq`` (over ``[b, s_q, h_q, d_qk]``) and ``dkv`` (over dk
     ``[b, s_k, h_kv, d_qk]`` and dv ``[b, s_k, h_kv, d_v]``).
     """
-    grads = [None] * len(calls)
     for backend_module, items in _by_backend(q, k, v, calls, softmax_scale, backend):
-        indices, blocks = zip(*items)
-        for i, g in zip(indices, varlen.backward_blocks(backend_module, dout, q, k, v, out, lse, blocks)):
-            grads[i] = g
-    for c, (dq_c, dk_c, dv_c) in zip(calls, grads):  # added in call order
-        dq.add(c.q_lo, c.q_hi, [dq_c])
-        dkv.add(c.k_lo, c.k_hi, [dk_c, dv_c])
+        for i, (dq_c, dk_c, dv_c) in _backward_each(backend_module, dout, q, k, v, out, lse, items):
+            c = calls[i]  # added as each call returns
+            dq.add(c.q_lo, c.q_hi, [dq_c])
+            dkv.add(c.k_lo, c.k_hi, [dk_c, dv_c])
+            del dq_c, dk_c, dv_c
 
 
 def _block_args(c: BlockCall, softmax_scale: float) -> BlockArgs:

@@ -10,14 +10,25 @@ values, so a CI log says what regressed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import json
+import os
+from typing import Any, Optional
+
+# the headline figures recorded in the repository (see :mod:`.recorded`)
+RECORDED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded.json")
+
+
+def load_recorded(path: Optional[str] = None) -> dict[str, Any]:
+    """The recorded figures (``recorded.json`` beside this module unless ``path``)."""
+    with open(path or RECORDED_PATH) as f:
+        return json.load(f)
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
     config: str
     seq_length: int | None
-    kind: str  # slower | hungrier | parity | max_seq | missing
+    kind: str  # slower | hungrier | parity | max_seq | missing | budget
     previous: float | None
     current: float | None
     message: str
@@ -76,4 +87,33 @@ def compare(current: dict[str, Any], previous: dict[str, Any], tolerance: float)
         if o and (n is None or n < o * (1 - tolerance)):
             findings.append(Finding(config, None, "max_seq", o, n,
                                     f"{config}: max trainable sequence under the budget {o} -> {n}"))
+    return findings
+
+
+def compare_recorded(current: dict[str, Any], recorded: dict[str, Any], tolerance: float) -> list[Finding]:
+    """Every recorded max sequence (``recorded.json``: :mod:`.recorded`) that ``current`` no longer reaches
+    beyond ``tolerance``, and the headline ratio when it fell; a run under another budget is a finding too
+    (its figures do not compare)."""
+    findings: list[Finding] = []
+    ms = current.get("max_seq") or {}
+    budget = recorded.get("budget_mib")
+    if ms and budget and abs(ms.get("budget_bytes", 0) / 2**20 - budget) > 1e-6:
+        findings.append(Finding("*", None, "budget", budget, ms.get("budget_bytes", 0) / 2**20,
+                                f"recorded figures are at {budget} MiB/rank, this run used "
+                                f"{ms.get('budget_bytes', 0) / 2**20:.0f} MiB/rank: rerun with --budget-mib {budget}"))
+        return findings
+    now = ms.get("results", {})
+    for config, old in sorted(recorded.get("max_seq", {}).items()):
+        o, n = old.get("max_seq"), (now.get(config) or {}).get("max_seq")
+        if n is None:
+            findings.append(Finding(config, None, "missing", o, None,
+                                    f"{config}: recorded max sequence {o}, not searched now (--max-seq-configs)"))
+        elif o and n < o * (1 - tolerance):
+            findings.append(Finding(config, None, "max_seq", o, n,
+                                    f"{config}: max trainable sequence {o} recorded -> {n} now"))
+    old_r = (recorded.get("headline") or {}).get("ratio")
+    new_r = (ms.get("max_seq_ratio_vs_strongest") or {}).get("ratio")
+    if old_r and new_r is not None and new_r < old_r * (1 - tolerance):
+        findings.append(Finding("headline", None, "max_seq", old_r, new_r,
+                                f"headline ratio {old_r:.1f}x recorded -> {new_r:.1f}x now"))
     return findings

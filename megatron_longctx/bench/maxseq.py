@@ -1,11 +1,13 @@
 """Max trainable sequence under an enforced per-rank memory budget: doubling, then bisection.
 
-The search runs *inside* a measurement job (one ``torchrun`` job trains probe after probe, no start-up
-cost per probe).  The budget is enforced by ending the job: on CPU a rank dies as soon as its resident
-memory grows past the budget, on GPU an out-of-memory error ends it.  Before each probe the job records
-which length it is attempting; when the job dies, :func:`drive` marks that length as failed and starts
-a new job that replays the known outcomes and continues.  The search is deterministic in the outcomes,
-so the jobs needed are one more than the probes that failed.
+Every probe runs in a fresh measurement job (``torchrun``): the job warms up, measures its base memory
+after the warm-up, trains the one length it was given, records the outcome and ends; :func:`drive` starts
+the next job, which replays the known outcomes and probes the next length.  A probe's figure therefore
+does not depend on which probes ran before it (a job that had trained longer sequences first would start
+from a higher base and see less memory "added").  The budget is enforced by ending the job: on CPU a rank
+dies as soon as its resident memory grows past the budget, on GPU an out-of-memory error ends it.  Before
+its probe the job records which length it is attempting; when the job dies, :func:`drive` marks that
+length as failed.  The search is deterministic in the outcomes: one job per probe.
 """
 
 from __future__ import annotations
@@ -52,14 +54,20 @@ def search_max_seq(probe: Callable[[int], bool], start: int, cap: int, granulari
     return {"max_seq": last_ok, "at_cap": False, "probes": probes}
 
 
+class _NextJob(Exception):
+    """Raised inside a job's search when its one probe is done and another is needed."""
+
+
 def run_in_job(search: dict[str, Any], measure: Callable[[int], dict[str, Any]], progress_path: str,
                is_writer: bool) -> dict[str, Any]:
-    """The job side: replay ``search["known"]`` outcomes, measure the unknown ones in this process.
+    """The job side: replay ``search["known"]`` outcomes, measure the first unknown one in this process and
+    end (``progress_path`` then says ``next``: :func:`drive` starts a fresh job for the next probe).
 
     ``measure(seq)`` returns the point record (``status == "ok"`` when it trained); a budget overrun ends
     the process inside ``measure``, after ``progress_path`` named the length being attempted.
     """
     known: dict[str, Any] = dict(search.get("known", {}))
+    measured: list[int] = []
 
     def write(**extra: Any) -> None:
         if is_writer:
@@ -71,6 +79,9 @@ def run_in_job(search: dict[str, Any], measure: Callable[[int], dict[str, Any]],
     def probe(seq: int) -> bool:
         if str(seq) in known:
             return known[str(seq)]["ok"]
+        if measured:  # this job has trained one probe already: the next one gets a fresh process
+            raise _NextJob
+        measured.append(seq)
         write(attempting=seq)
         record = measure(seq)
         known[str(seq)] = {"ok": record.get("status") == "ok", "status": record.get("status"),
@@ -78,7 +89,11 @@ def run_in_job(search: dict[str, Any], measure: Callable[[int], dict[str, Any]],
         write()
         return known[str(seq)]["ok"]
 
-    result = search_max_seq(probe, search["start"], search["cap"], search["granularity"], search["resolution"])
+    try:
+        result = search_max_seq(probe, search["start"], search["cap"], search["granularity"], search["resolution"])
+    except _NextJob:
+        write(next=True)
+        return {}
     for p in result["probes"]:
         p.update({k: v for k, v in known[str(p["seq_length"])].items() if k != "ok"})
     write(done=True, result=result)
@@ -86,8 +101,9 @@ def run_in_job(search: dict[str, Any], measure: Callable[[int], dict[str, Any]],
 
 
 def drive(launch: Callable[[dict[str, Any], str], tuple[int, str]], search: dict[str, Any], progress_path: str,
-          budget_marker: str, log: Callable[[str], None], max_jobs: int = 16) -> dict[str, Any]:
-    """The parent side: start jobs until one finishes the search; a job's death fails its attempted length.
+          budget_marker: str, log: Callable[[str], None], max_jobs: int = 64) -> dict[str, Any]:
+    """The parent side: one fresh job per probe until one finishes the search; a job's death fails its
+    attempted length.
 
     ``launch(search, progress_path) -> (exit code, output)`` runs one job.
     """
@@ -103,7 +119,9 @@ def drive(launch: Callable[[dict[str, Any], str], tuple[int, str]], search: dict
                 state = json.load(f)
         search["known"].update(state.get("known", {}))
         if state.get("done"):
-            return state["result"]
+            return dict(state["result"], fresh_probes=True)
+        if state.get("next"):  # its probe trained; the next one in a fresh job
+            continue
         seq = state.get("attempting")
         if seq is None:  # died while starting up (no probe to blame): retry once, then give up
             early_deaths += 1

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the sweep skips megatron-unfused where its s x s scores alone would pass this per rank")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--compare", default=None, metavar="PREVIOUS_JSON", help="fail on regressions against this run")
+    p.add_argument("--compare-recorded", nargs="?", const="recorded", default=None, metavar="RECORDED_JSON",
+                   help="fail when a max sequence or the headline falls below the figures recorded in the repository "
+                        "(megatron_longctx/bench/recorded.json, or this file)")
     p.add_argument("--tolerance", default="5%", help="allowed slowdown / memory growth for --compare")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per torchrun job")
     return p
@@ -155,7 +158,8 @@ def _max_seq(args: argparse.Namespace, base_task: dict[str, Any], configs: list[
         log(f"    max {results[name]['max_seq']} tokens{' (cap)' if results[name]['at_cap'] else ''}; "
             f"probes {probes} ({time.perf_counter() - start:.0f} s)")
     out: dict[str, Any] = {"budget_bytes": budget, "granularity": granularity, "cap": args.max_seq_cap,
-                           "enforcement": ENFORCEMENT_GPU if _gpu() else ENFORCEMENT_CPU, "results": results}
+                           "enforcement": ENFORCEMENT_GPU if _gpu() else ENFORCEMENT_CPU, "results": results,
+                           "probes": "each in a fresh process, its base measured there after the warm-up"}
     return out
 
 
@@ -372,12 +376,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             previous = json.load(f)
         if previous.get("schema") != report.SCHEMA:
             raise ValueError(f"--compare {args.compare}: schema {previous.get('schema')!r}, expected {report.SCHEMA!r}")
+    figures = None
+    if args.compare_recorded:  # read before the run: a missing file fails at once
+        figures = compare_mod.load_recorded(None if args.compare_recorded == "recorded" else args.compare_recorded)
     result = run(args)
     if args.peers:
         from megatron_longctx.bench import peers
 
         result["peers"] = peers.run(peers.build_parser().parse_args([]))
     findings = compare_mod.compare(result, previous, tolerance) if previous is not None else []
+    if figures is not None:
+        findings += compare_mod.compare_recorded(result, figures, tolerance)
+        previous = previous if previous is not None else figures
     if previous is not None:
         result["regressions"] = [f.as_dict() for f in findings]
     os.makedirs(args.output_dir, exist_ok=True)
@@ -396,7 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if previous is not None:
         for f in findings:
             print(f"REGRESSION: {f.message}")
-        print(f"compared with {args.compare} at tolerance {tolerance * 100:.1f}%: "
+        print(f"compared with {args.compare or 'the recorded figures'} at tolerance {tolerance * 100:.1f}%: "
               f"{len(findings)} regression(s)")
     broken = [p for p in result["sweep"] if p.get("parity_ok") is False]
     return 1 if findings or (previous is not None and broken) else 0

@@ -130,7 +130,7 @@ def _max_seq_lines(ms: Optional[dict[str, Any]]) -> list[str]:
     from megatron_longctx.bench.headline import headline_line
 
     lines = ["", f"**Max trainable sequence** under {ms['budget_bytes'] / 2**20:.0f} MiB per rank "
-                 f"({ms['enforcement']}):", ""]
+                 f"({ms['enforcement']}; probes {ms.get('probes', 'in one process')}):", ""]
     for name, r in ms["results"].items():
         bound = "≥ " if r.get("at_cap") else ""
         lines.append(f"- {name}: {bound}{r['max_seq']} tokens ({len(r['probes'])} probes)")

@@ -13,9 +13,10 @@ class _Died(Exception):
 
 def _fake_jobs(limit, peak_per_token=10):
     """A launcher whose job trains in-process until a length over ``limit`` 'kills' it."""
-    jobs = []
+    jobs, measured = [], []
 
     def measure(seq):
+        measured.append((len(jobs), seq))
         if seq > limit:
             raise _Died()
         return {"status": "ok", "peak_mem_bytes": seq * peak_per_token}
@@ -28,6 +29,7 @@ def _fake_jobs(limit, peak_per_token=10):
             return 1, f"... {MARKER} rank 0: 70 MiB > budget 64 MiB"
         return 0, ""
 
+    launch.measured = measured
     return launch, jobs
 
 
@@ -40,7 +42,10 @@ def test_drive_matches_the_single_process_search(tmp_path):
     assert [(p["seq_length"], p["ok"]) for p in result["probes"]] == \
         [(p["seq_length"], p["ok"]) for p in reference["probes"]]
     failures = [p for p in result["probes"] if not p["ok"]]
-    assert len(jobs) == len(failures) + 1  # one job per failed probe, plus the one that finishes
+    assert len(jobs) == len(result["probes"])  # every probe in a fresh job, so no probe sees another's base
+    assert [job for job, _ in launch.measured] == list(range(1, len(jobs) + 1))  # one probe per job
+    assert [seq for _, seq in launch.measured] == [p["seq_length"] for p in result["probes"]]
+    assert result["fresh_probes"]
     assert all(p["status"] == "over budget" for p in failures)
     assert all(p["peak_mem_bytes"] == p["seq_length"] * 10 for p in result["probes"] if p["ok"])
 
@@ -68,7 +73,7 @@ def test_drive_retries_one_transient_start_up_death(tmp_path):
 
     result = drive(launch, {"start": 512, "cap": 1024, "granularity": 256, "resolution": 0.1},
                    str(tmp_path / "p.json"), MARKER, log=lambda s: None)
-    assert result["max_seq"] == 1024 and result["at_cap"] and len(calls) == 2
+    assert result["max_seq"] == 1024 and result["at_cap"] and len(calls) == 3  # the death, then one job per probe
 
 
 def test_non_budget_failure_is_labelled(tmp_path):
