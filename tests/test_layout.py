@@ -70,7 +70,7 @@ ALLOWED = {
     "megatron": {"attention", "config", "kernels", "memory", "procs", "patching"},
     "launch": {"megatron"},
     "bridge": {"config", "megatron"},
-    "job": {"config", "data", "megatron", "memory", "procs"},
+    "job": {"config", "data", "megatron", "memory", "plan", "procs"},
     "bench": {"__init__", "attention", "config", "data", "kernels", "megatron", "memory", "plan", "procs"},
     "cli": set(),
     "__main__": {"cli"},
