@@ -14,8 +14,8 @@ reversible with :func:`uninstall`):
   ``get_gpt_*_spec`` getters imported by name into ``gpt_builders.py`` (0.16) or
   ``megatron.training.models.gpt`` (0.19), ``--spec MODULE NAME``, the ModelOpt specs, and the in-place
   ``--attention-backend local`` override that 0.19 applies right before ``GPTModel(...)``.  When memory
-  features are configured, :func:`megatron_longctx.megatron.memory_spec.install` is applied to the built model (both through
-  :func:`megatron_longctx.megatron.spec.build_model`, which the main job's model provider uses too).
+  features are configured, :meth:`LongContextPlugin.install` is applied to the built model (both through
+  :meth:`megatron_longctx.megatron.plugin.LongContextPlugin.build`, which the main job's model provider uses too).
 
 Users who prefer editing ``pretrain_gpt.py`` find the equivalent few-line diffs in ``patches/``.
 """
@@ -122,7 +122,7 @@ def _wrap_add_megatron_arguments(original: Callable) -> Callable:
 
 
 def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
-    from megatron_longctx.megatron.spec import build_model
+    from megatron_longctx.megatron.plugin import LongContextPlugin
 
     signature = inspect.signature(original)
 
@@ -138,7 +138,8 @@ def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
             return self
 
         specs = {name: bound.arguments.get(name) for name in (spec_param, "mtp_block_spec")}
-        build_model(build, bound.arguments.get("config"), specs, current_config(), who="megatron_longctx.launch")
+        plugin = LongContextPlugin(current_config())
+        plugin.build(build, bound.arguments.get("config"), specs, who="megatron_longctx.launch")
 
     __init__.__longctx_wrapped__ = original
     return __init__
