@@ -38,6 +38,7 @@ from megatron_longctx.megatron.script_setup import (
     wrap_compile_helpers,
     wrap_training_log,
 )
+from megatron_longctx.patching import patch
 
 # Megatron-Core minor versions the install step has been checked against.
 SUPPORTED_MEGATRON = ((0, 16), (0, 17), (0, 18), (0, 19))
@@ -54,7 +55,7 @@ _MODEL_CLASSES = (
 
 @dataclasses.dataclass
 class _State:
-    saved: list = dataclasses.field(default_factory=list)  # (owner, attribute, original)
+    saved: list = dataclasses.field(default_factory=list)  # the patching.Patch objects of install()
     config: Optional[LongContextConfig] = None
 
 
@@ -180,23 +181,19 @@ def install(config: Optional[LongContextConfig] = None) -> None:
             return
         check_version()
         for owner, name, replacement in _targets():
-            _state.saved.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, replacement)
+            _state.saved.append(patch(owner, name, replacement, "megatron_longctx.launch: the plugin in Megatron"))
 
 
 def uninstall() -> None:
     """Undo :func:`install` (a no-op when not installed)."""
     with _lock:
         while _state.saved:
-            owner, name, original = _state.saved.pop()
-            setattr(owner, name, original)
+            _state.saved.pop().undo()
         _state.config = None
 
 
 def is_installed() -> bool:
     return bool(_state.saved)
-
-
 
 
 def megatron_trees() -> dict[str, list[str]]:

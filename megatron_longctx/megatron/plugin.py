@@ -68,7 +68,7 @@ class LongContextPlugin:
     def spec(self, spec: Any, require: bool = True) -> Any:
         """A copy of ``spec`` with ContextParallelAttention in every self-attention ``core_attention``, then
         each enabled feature's spec edit.  ``require=False`` passes a spec without attention through."""
-        from megatron_longctx.megatron.spec import core_attention_spec, self_attention_rule
+        from megatron_longctx.megatron.attention_spec import core_attention_spec, self_attention_rule
 
         out, replaced = walk_spec(spec, self_attention_rule(core_attention_spec(self.cfg.cp)))
         if replaced == 0 and require:

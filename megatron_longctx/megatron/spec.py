@@ -13,40 +13,11 @@ submodules, e.g. DeepSeek sparse attention's indexer).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
-from megatron_longctx.config import ContextParallelConfig, LongContextConfig
-from megatron_longctx.megatron.spec_walk import KEEP, built_class, is_module_spec, walk_spec
-
-# Submodule dataclasses whose core_attention is cross-attention (kept as Megatron built it).
-_CROSS_ATTENTION_SUBMODULES = ("CrossAttentionSubmodules",)
-
-
-def _is_dense_core_attention(entry: Any) -> bool:
-    """True for softmax attention that our module can stand in for."""
-    if is_module_spec(entry) and entry.submodules is not None:
-        return False  # a variant with its own submodules (sparse attention indexer, ...)
-    return True
-
-
-def self_attention_rule(replacement: Any):
-    def rule(submodules: Any, name: str, entry: Any) -> Any:
-        if (name == "core_attention" and type(submodules).__name__ not in _CROSS_ATTENTION_SUBMODULES
-                and _is_dense_core_attention(entry)):
-            return replacement
-        return KEEP
-
-    return rule
-
-
-def core_attention_spec(cp_config: ContextParallelConfig | None = None) -> Any:
-    """The ``ModuleSpec`` of :class:`ContextParallelAttention` with ``cp_config`` as its parameter."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_longctx.megatron.core_attention import ContextParallelAttention
-
-    return ModuleSpec(module=ContextParallelAttention, params={"cp_config": cp_config or ContextParallelConfig()})
+from megatron_longctx.config import LongContextConfig
+from megatron_longctx.megatron.attention_spec import core_attention_spec, self_attention_rule  # noqa: F401
+from megatron_longctx.megatron.spec_walk import KEEP, built_class, walk_spec
 
 
 def _options_to_config(config: LongContextConfig | None, options: dict[str, Any]) -> LongContextConfig:
