@@ -232,9 +232,6 @@ class SeqLayout:
         return SeqLayout(self.packing, self.cp_size // group_size, self.zigzag)
 
 
-
-
-
 def dense_layout(cp_size: int, chunk: int, zigzag: bool = True) -> SeqLayout:
     """One dense sequence of ``2*cp_size*chunk`` tokens over ``cp_size`` ranks."""
     return SeqLayout.dense(2 * cp_size * chunk, cp_size, zigzag)

@@ -169,7 +169,7 @@ def preimport_megatron() -> None:
     for name in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
                  "megatron.core.pipeline_parallel", "megatron.core.models.gpt.gpt_layer_specs",
                  "megatron.core.datasets.gpt_dataset", "megatron_longctx.megatron.spec",
-                 "megatron_longctx.megatron.core_attention", "megatron_longctx.megatron.memory_spec",
+                 "megatron_longctx.megatron.core_attention", "megatron_longctx.megatron.plugin",
                  "megatron_longctx.kernels.select"):
         try:
             importlib.import_module(name)
@@ -286,9 +286,10 @@ class Trainer:
 
         spec = get_gpt_layer_local_spec(normalization=self.shape.normalization)
         if self.variant.plugin:
-            from megatron_longctx import apply_to_spec
+            from megatron_longctx.config import LongContextConfig
+            from megatron_longctx.megatron.plugin import LongContextPlugin
 
-            spec = apply_to_spec(spec, **self.variant.options())
+            spec = LongContextPlugin(LongContextConfig.from_flat(self.variant.options())).spec(spec)
         elif self.variant.context_parallel_size > 1:
             raise ValueError("baseline Megatron's local attention refuses CP > 1 without Transformer Engine; "
                              "run the baseline with --context-parallel-size 1")
@@ -311,9 +312,9 @@ class Trainer:
         cfg = LongContextConfig.from_flat(self.variant.options())
         if not cfg.memory.any_enabled:
             return None
-        from megatron_longctx.megatron.memory_spec import install
+        from megatron_longctx.megatron.plugin import LongContextPlugin
 
-        return install(self.model, cfg.memory)
+        return LongContextPlugin(cfg).install(self.model)
 
     def _wrap_ddp(self) -> Any:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads

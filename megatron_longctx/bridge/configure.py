@@ -11,7 +11,7 @@ Three things change on the model config, nothing else:
    ``recompute_*`` are then cleared and the plugin's typed config holds them;
 3. a pre-wrap hook (:class:`LongContextModelHook`, run on the built model before DDP) checks that the
    model holds our attention in every layer and installs the memory features (offload, recompute, tiled
-   loss) with :func:`megatron_longctx.megatron.memory_spec.install`.
+   loss) with :class:`megatron_longctx.megatron.plugin.LongContextPlugin`.
 
 What cannot work together is refused up front, each error naming the config field and the value to use
 (:func:`check_model_config`).  Works with Bridge's ``GPTModelProvider`` and megatron-core's
@@ -28,8 +28,9 @@ from megatron_longctx.bridge.spec import LongContextLayerSpec, allow_in_run_conf
 from megatron_longctx.config import MEGATRON_FLAGS, LongContextConfig
 
 PREFIX = "megatron_longctx.bridge"
-# Megatron's recompute fields on a model config, cleared when the plugin runs the recompute instead.
-_MEGATRON_RECOMPUTE = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
+# Megatron's recompute fields on a model config, cleared (by the plugin's model_config) when the plugin runs
+# the recompute instead.
+_MEGATRON_RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 
 
 def configure(cfg: Any, **longctx_options: Any) -> Any:
@@ -60,8 +61,12 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
     field, value = (("hybrid_stack_spec", _hybrid_stack_spec(model, longctx)) if hybrid
                     else ("transformer_layer_spec", spec))
     if moved:
-        for name, cleared in _MEGATRON_RECOMPUTE.items():
-            setattr(model, name, cleared)
+        from megatron_longctx.megatron.plugin import LongContextPlugin
+
+        cleared = LongContextPlugin(longctx).model_config(model)  # a copy with Megatron's recompute off
+        for name in _MEGATRON_RECOMPUTE:
+            if hasattr(model, name):
+                setattr(model, name, getattr(cleared, name))
     setattr(model, field, value)
     if not hybrid:
         allow_in_run_config()  # this run writes it to run_config.yaml; a resume calls configure again
@@ -71,13 +76,13 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
 
 def _hybrid_stack_spec(model: Any, longctx: LongContextConfig) -> Any:
     """The hybrid model's stack spec (the recipe's, else megatron-core's default) with our attention."""
-    from megatron_longctx.megatron.spec import transform_spec
+    from megatron_longctx.megatron.plugin import LongContextPlugin
 
     base = model.hybrid_stack_spec
     if base is None:
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as base
     try:
-        return transform_spec(base, longctx, require=True)
+        return LongContextPlugin(longctx).spec(base, require=True)
     except ValueError as err:
         raise ValueError(f"{PREFIX}: model.hybrid_stack_spec: {err}") from None
 
@@ -160,10 +165,10 @@ class LongContextModelHook:
     options: dict = dataclasses.field(default_factory=dict)
 
     def __call__(self, model: list) -> list:
-        from megatron_longctx.megatron.memory_spec import install_and_report
+        from megatron_longctx.megatron.plugin import LongContextPlugin
 
         check_built_model(model)
-        install_and_report(model, LongContextConfig.from_flat(self.options), who=PREFIX)
+        LongContextPlugin(LongContextConfig.from_flat(self.options)).install_and_report(model, who=PREFIX)
         return model
 
 

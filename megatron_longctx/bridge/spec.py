@@ -69,11 +69,11 @@ class LongContextLayerSpec:
         return base
 
     def __call__(self, model_config: Any, vp_stage: Optional[int] = None) -> Any:
-        from megatron_longctx.megatron.spec import transform_spec
+        from megatron_longctx.megatron.plugin import LongContextPlugin
 
         base = self.base_spec(model_config, vp_stage)
         try:
-            return transform_spec(base, self.config(), require=True)
+            return LongContextPlugin(self.config()).spec(base, require=True)
         except ValueError as err:
             if "found no self-attention" not in str(err):
                 raise

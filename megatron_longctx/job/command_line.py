@@ -143,6 +143,7 @@ class Job:
 
     @classmethod
     def from_argv(cls, megatron_argv: list[str], own: argparse.Namespace) -> "Job":
+        check_flags(megatron_argv)
         values, _ = _reader().parse_known_args(DEFAULTS + megatron_argv)
         given = {item.split("=", 1)[0] for item in megatron_argv}
         if "--lr-warmup-iters" not in given and values.lr_decay_iters is None and values.train_iters is not None \
@@ -207,6 +208,38 @@ class Job:
         if self.load is not None:  # the comparison starts from the same checkpoint
             argv += ["--load", self.load, "--ckpt-step", str(self.load_step)]
         return argv + (["--exit-interval", str(steps)] if steps < self.train_iters else [])
+
+
+class _Refused(Exception):
+    pass
+
+
+def check_flags(megatron_argv: list[str]) -> None:
+    """Parse the command line with Megatron's own parser and the plugin's flags, as every rank will, and
+    check it as the launcher does, before any rank starts: ``ValueError`` naming the flag and the choices."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_longctx.config import CP_COMM_TYPE_TO_ALGORITHM
+    from megatron_longctx.megatron.arguments import add_longctx_args, check_after_parsing, config_from_args
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+
+    def error(message: str) -> None:
+        raise _Refused(message)
+
+    parser.error = error  # type: ignore[method-assign]  # our parser: the message becomes the one error line
+    add_longctx_args(add_megatron_arguments(parser))
+    try:
+        args, _ = parser.parse_known_args(DEFAULTS + megatron_argv)
+    except _Refused as err:
+        raise ValueError(str(err)) from None
+    comm = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    bad = [c for c in comm if c is not None and c not in CP_COMM_TYPE_TO_ALGORITHM]
+    if bad and config_from_args(args).cp.cp_algorithm == "auto":
+        raise ValueError(f"argument --cp-comm-type: invalid choice: {bad[0]!r} (choose from "
+                         f"{', '.join(repr(c) for c in sorted(CP_COMM_TYPE_TO_ALGORITHM))}), or set "
+                         "--longctx-cp-algorithm")
+    check_after_parsing(args)
 
 
 def _platform_defaults(own: argparse.Namespace) -> list[str]:

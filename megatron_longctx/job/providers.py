@@ -34,7 +34,7 @@ def is_baseline() -> bool:
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                    config: Any = None, pg_collection: Any = None) -> Any:
     """``GPTModel`` with the local spec, built as the launcher builds it
-    (:func:`~megatron_longctx.megatron.spec.build_model`: the plugin's attention and memory features,
+    (:meth:`~megatron_longctx.megatron.plugin.LongContextPlugin.build`: the plugin's attention and memory features,
     Megatron's recompute off where the plugin runs it); the baseline run builds it with Megatron's own."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -42,8 +42,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_longctx.megatron.arguments import config_from_args
-    from megatron_longctx.megatron.memory_spec import megatron_config_without_plugin_recompute
-    from megatron_longctx.megatron.spec import build_model
+    from megatron_longctx.megatron.plugin import LongContextPlugin
 
     args = get_args()
     if config is None:
@@ -73,9 +72,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         # Megatron's own attention and recompute; what only the plugin can run here (selective layernorm /
         # mlp without Transformer Engine) is left out: recompute does not change the loss.
         if getattr(args, "recompute_granularity", None) == "selective":
-            config = megatron_config_without_plugin_recompute(config, config_from_args(args).memory)
+            config = LongContextPlugin(config_from_args(args)).model_config(config)
         return build(config, specs)
-    return build_model(build, config, specs, config_from_args(args))
+    return LongContextPlugin(config_from_args(args)).build(build, config, specs)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list, vp_stage: Optional[int] = None) -> tuple:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_longctx.memory.accounting import peak_rss_bytes
+from megatron_longctx.patching import Patch, patch
 
 JOB_ENV = "LONGCTX_JOB"
 
@@ -201,7 +202,7 @@ def _wrap_save_checkpoint(original: Callable, watchdog: StallWatchdog) -> Callab
     return save_checkpoint
 
 
-def _install_hooks(log: StepLog, watchdog: StallWatchdog) -> list[tuple[Any, str, Any]]:
+def _install_hooks(log: StepLog, watchdog: StallWatchdog) -> list[Patch]:
     from megatron.core.datasets import utils as datasets_utils
     from megatron.training import arguments, training
 
@@ -212,11 +213,8 @@ def _install_hooks(log: StepLog, watchdog: StallWatchdog) -> list[tuple[Any, str
                (datasets_utils, "compile_helpers", wrap_compile_helpers),  # the wheel ships helpers_cpp, no Makefile
                (arguments, "_print_args", lambda f: _quiet_print_args),
                (training, "update_pg_timeout", _wrap_update_pg_timeout)]  # 900 lines of argument dump
-    saved = []
-    for owner, name, wrap in targets:
-        saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, wrap(getattr(owner, name)))
-    return saved
+    return [patch(owner, name, wrap(getattr(owner, name)), "megatron-longctx run: the main job's hooks")
+            for owner, name, wrap in targets]
 
 
 def _wrap_update_pg_timeout(original: Callable) -> Callable:
@@ -294,8 +292,8 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
     finally:
         watchdog.seconds = None  # training is over: nothing to watch
         log.close()
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+        for done in reversed(saved):
+            done.undo()
     return 0
 
 

@@ -36,28 +36,12 @@ from megatron_longctx.attention.tiled import TiledKV
 from megatron_longctx.config import CP_COMM_TYPE_TO_ALGORITHM, ContextParallelConfig
 from megatron_longctx.memory import tiled_recompute
 from megatron_longctx.megatron.local_attention import LocalAttentionArgs, local_attention_sbhd, local_attention_thd
+from megatron_longctx.megatron.nvtx import NvtxRanges  # noqa: F401  (public name, kept here for callers)
 
 # Self-attention (sq == sk): bottom-right aligned causal is plain causal.
 _CAUSAL_TYPES = tuple(t for t in (AttnMaskType.causal, AttnMaskType.padding_causal,
                                   getattr(AttnMaskType, "causal_bottom_right", None)) if t is not None)
 _SUPPORTED_TYPES = (*_CAUSAL_TYPES, AttnMaskType.no_mask)
-
-
-class NvtxRanges:
-    """Megatron's NVTX range stack (``megatron.core.utils``, ``--nvtx-ranges``) as a
-    :class:`tiled_recompute.RangeStack`: a tile replay stops inside ``TransformerLayer`` and ``Attention``
-    ranges (:class:`tiled_recompute.ReplayStop`), which are popped here, innermost first."""
-
-    def depth(self) -> int:
-        from megatron.core import utils
-
-        return len(getattr(utils, "_nvtx_range_messages", ()))
-
-    def pop_to(self, depth: int) -> None:
-        from megatron.core import utils
-
-        while self.depth() > depth:
-            utils.nvtx_range_pop(utils._nvtx_range_messages[-1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ reversible with :func:`uninstall`):
   ``get_gpt_*_spec`` getters imported by name into ``gpt_builders.py`` (0.16) or
   ``megatron.training.models.gpt`` (0.19), ``--spec MODULE NAME``, the ModelOpt specs, and the in-place
   ``--attention-backend local`` override that 0.19 applies right before ``GPTModel(...)``.  When memory
-  features are configured, :func:`megatron_longctx.megatron.memory_spec.install` is applied to the built model (both through
-  :func:`megatron_longctx.megatron.spec.build_model`, which the main job's model provider uses too).
+  features are configured, :meth:`LongContextPlugin.install` is applied to the built model (both through
+  :meth:`megatron_longctx.megatron.plugin.LongContextPlugin.build`, which the main job's model provider uses too).
 
 Users who prefer editing ``pretrain_gpt.py`` find the equivalent few-line diffs in ``patches/``.
 """
@@ -38,6 +38,7 @@ from megatron_longctx.megatron.script_setup import (
     wrap_compile_helpers,
     wrap_training_log,
 )
+from megatron_longctx.patching import patch
 
 # Megatron-Core minor versions the install step has been checked against.
 SUPPORTED_MEGATRON = ((0, 16), (0, 17), (0, 18), (0, 19))
@@ -54,7 +55,7 @@ _MODEL_CLASSES = (
 
 @dataclasses.dataclass
 class _State:
-    saved: list = dataclasses.field(default_factory=list)  # (owner, attribute, original)
+    saved: list = dataclasses.field(default_factory=list)  # the patching.Patch objects of install()
     config: Optional[LongContextConfig] = None
 
 
@@ -122,7 +123,7 @@ def _wrap_add_megatron_arguments(original: Callable) -> Callable:
 
 
 def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
-    from megatron_longctx.megatron.spec import build_model
+    from megatron_longctx.megatron.plugin import LongContextPlugin
 
     signature = inspect.signature(original)
 
@@ -138,7 +139,8 @@ def _wrap_model_init(original: Callable, spec_param: str) -> Callable:
             return self
 
         specs = {name: bound.arguments.get(name) for name in (spec_param, "mtp_block_spec")}
-        build_model(build, bound.arguments.get("config"), specs, current_config(), who="megatron_longctx.launch")
+        plugin = LongContextPlugin(current_config())
+        plugin.build(build, bound.arguments.get("config"), specs, who="megatron_longctx.launch")
 
     __init__.__longctx_wrapped__ = original
     return __init__
@@ -179,23 +181,19 @@ def install(config: Optional[LongContextConfig] = None) -> None:
             return
         check_version()
         for owner, name, replacement in _targets():
-            _state.saved.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, replacement)
+            _state.saved.append(patch(owner, name, replacement, "megatron_longctx.launch: the plugin in Megatron"))
 
 
 def uninstall() -> None:
     """Undo :func:`install` (a no-op when not installed)."""
     with _lock:
         while _state.saved:
-            owner, name, original = _state.saved.pop()
-            setattr(owner, name, original)
+            _state.saved.pop().undo()
         _state.config = None
 
 
 def is_installed() -> bool:
     return bool(_state.saved)
-
-
 
 
 def megatron_trees() -> dict[str, list[str]]:

@@ -35,7 +35,7 @@ def extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvider:
 def longctx_layer_spec(base: Any, config: LongContextConfig) -> Callable[..., Any]:
     """Megatron-LM 0.19 ``GPTModelConfig.transformer_layer_spec`` value: ``base`` (a spec, a spec callable,
     or ``None`` for Megatron's default choice) transformed by :func:`megatron_longctx.apply_to_spec`."""
-    from megatron_longctx.megatron.spec import transform_spec
+    from megatron_longctx.megatron.plugin import LongContextPlugin
 
     def transformer_layer_spec(model_config: Any, vp_stage: Optional[int] = None) -> Any:
         if base is None:
@@ -47,6 +47,6 @@ def longctx_layer_spec(base: Any, config: LongContextConfig) -> Callable[..., An
             spec = base(model_config, vp_stage=vp_stage) if takes_vp else base(model_config)
         else:
             spec = base
-        return transform_spec(spec, config, require=True)
+        return LongContextPlugin(config).spec(spec, require=True)
 
     return transformer_layer_spec

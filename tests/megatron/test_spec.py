@@ -198,15 +198,15 @@ def test_options_and_errors():
 
 
 def test_memory_options_pass_through(monkeypatch):
-    from megatron_longctx.megatron import memory_spec
+    from megatron_longctx.megatron.features.tiled_mlp import TiledMLPFeature
 
     calls = []
 
-    def fake_apply(spec, cfg):
-        calls.append(cfg)
+    def fake_apply(self, spec, cfg):
+        calls.append(cfg.memory)
         return spec
 
-    monkeypatch.setattr(memory_spec, "apply_memory_to_layer_spec", fake_apply)
+    monkeypatch.setattr(TiledMLPFeature, "spec", fake_apply)
     out = apply_to_spec(_local()(), tiled_mlp_tiles=4, cp_algorithm="ring")
     assert len(calls) == 1 and calls[0].tiled_mlp_tiles == 4
     assert count_context_parallel_attention(out) == 1

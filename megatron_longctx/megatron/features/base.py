@@ -48,6 +48,7 @@ class Installed:
     description: Optional[str] = None  # its part of rank 0's "memory features:" line; None: nothing to report
     stats: Optional[Callable[[], dict[str, int]]] = None
     close: Optional[Callable[[], None]] = None  # called after the patches are undone
+    name: Optional[str] = None  # the name in the "memory features:" line, where it is not the feature's own
 
 
 class Feature:
