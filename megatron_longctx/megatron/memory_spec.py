@@ -386,13 +386,13 @@ def megatron_config_without_plugin_recompute(config: Any, cfg: MemoryConfig) -> 
 def install_and_report(model: Any, cfg: LongContextConfig, who: str = "megatron-longctx") -> Optional[MemoryHandle]:
     """:func:`install` the memory features of ``cfg`` (if any) on a built ``model`` (a module or a list of
     chunks, each of which then holds the handle as ``_longctx_memory_handle``); rank 0 prints one line."""
-    if cfg.model_states.enabled:  # the streamer serves plain modules; Megatron's DDP buffers are not wired to it
-        raise ValueError(f"--longctx-model-state-offload {cfg.model_states.model_state_offload}: streaming model "
-                         "states is not wired into Megatron's DistributedDataParallel training loop in this version; "
-                         "drop the flag (megatron_longctx.memory.model_states.ModelStateStreamer serves a plain model)")
-    if not cfg.memory.any_enabled:
+    handle = install(model, cfg.memory) if cfg.memory.any_enabled else None
+    if cfg.model_states.enabled:  # installed once DDP wraps the model; it prints the features line then
+        from megatron_longctx.megatron.features.model_states import FEATURE
+
+        FEATURE.defer(model, cfg, who, handle.describe() if handle is not None else None)
+    if handle is None:
         return None
-    handle = install(model, cfg.memory)
     for chunk in model if isinstance(model, list) else [model]:
         chunk._longctx_memory_handle = handle
     if os.environ.get("RANK", "0") == "0":
@@ -402,6 +402,7 @@ def install_and_report(model: Any, cfg: LongContextConfig, who: str = "megatron-
                     else f"full: {mem.recompute_method}")
             print(f"{who}: Megatron's --recompute-granularity ({what}) runs in the plugin's recompute on "
                   f"{len(handle.layers)} layers (see plugin_recompute)", flush=True)
-        print(f"{who}: memory features: {handle.describe()}", flush=True)
+        if not cfg.model_states.enabled:
+            print(f"{who}: memory features: {handle.describe()}", flush=True)
     return handle
 
