@@ -162,8 +162,13 @@ class LongContextModelHook:
     def __call__(self, model: list) -> list:
         from megatron_longctx.megatron.memory_spec import install_and_report
 
+        cfg = LongContextConfig.from_flat(self.options)
+        if cfg.model_states.enabled:  # Bridge builds its optimizer outside megatron.training: not wired
+            raise ValueError(f"{PREFIX}: model_state_offload={cfg.model_states.model_state_offload!r} is not wired "
+                             "into Megatron-Bridge's training loop in this version; drop it (it works through "
+                             "`megatron-longctx run` and the launcher)")
         check_built_model(model)
-        install_and_report(model, LongContextConfig.from_flat(self.options), who=PREFIX)
+        install_and_report(model, cfg, who=PREFIX)
         return model
 
 

@@ -339,11 +339,23 @@ def test_cp2_bit_for_bit(algorithm: str, recompute: bool) -> None:
     run_ranks(2, _cp_body, algorithm, recompute)
 
 
-def test_megatron_training_paths_refuse_until_wired() -> None:
-    """No silent no-op: the model installer of the launcher, `run` and Bridge refuses the flag by name."""
+def test_bridge_refuses_and_megatron_training_defers() -> None:
+    """No silent no-op: Bridge's hook refuses the flag by name; the launcher's and `run`'s installer defers
+    the install to Megatron's optimizer build (after DDP), patching ``get_megatron_optimizer`` once."""
+    import megatron.training.training as training
+
+    from megatron_longctx.bridge.configure import LongContextModelHook
+    from megatron_longctx.megatron.features.model_states import FEATURE
     from megatron_longctx.config import LongContextConfig
     from megatron_longctx.megatron.memory_spec import install_and_report
 
+    with pytest.raises(ValueError, match=r"model_state_offload='host' is not wired into Megatron-Bridge.*drop it"):
+        LongContextModelHook({"model_state_offload": "host"})([torch.nn.Linear(2, 2)])
+    original = training.get_megatron_optimizer
     cfg = LongContextConfig.from_flat({"model_state_offload": "host"})
-    with pytest.raises(ValueError, match=r"--longctx-model-state-offload host: .*drop the flag"):
-        install_and_report(torch.nn.Linear(2, 2), cfg)
+    assert install_and_report(torch.nn.Linear(2, 2), cfg) is None
+    try:
+        assert training.get_megatron_optimizer is not original
+    finally:
+        FEATURE.pending.undo()
+    assert training.get_megatron_optimizer is original

@@ -60,6 +60,19 @@ def _units(chunk: torch.nn.Module) -> list[Any]:
     return units
 
 
+def _default_disk_dir() -> str:
+    """As the activation offload's: ``<--save>/offload``, else the temporary directory."""
+    import tempfile
+
+    from megatron.training.global_vars import get_args
+
+    try:
+        save = get_args().save
+    except AssertionError:  # no Megatron arguments: not under megatron.training
+        save = None
+    return os.path.join(save, "offload") if save else tempfile.gettempdir()
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -96,8 +109,9 @@ class ModelStatesFeature(Feature):
                 raise ValueError(f"{FLAG}: DDP's buckets scale gradients by {sorted(factors)}; one factor is needed")
             scale = factors.pop() if factors else 1.0
         pool = HostPool(mem.offload_host_pool_bytes)
+        disk_dir = mem.offload_disk_dir or _default_disk_dir() if ms.model_state_offload == "disk" else None
         opts = StreamOptions(target=ms.model_state_offload, device=_device(), pool=pool,
-                             disk_dir=mem.offload_disk_dir if ms.model_state_offload == "disk" else None,
+                             disk_dir=disk_dir,
                              slots=ms.model_state_slots, grad_dtype=grad_dtype, accumulate_grad=True,
                              reduce_group=group, grad_scale=scale)
         streamer = ModelStateStreamer(units, opts)
@@ -112,7 +126,9 @@ class ModelStatesFeature(Feature):
             return {"model_state_loads": streamer.loads, "model_state_grad_flushes": streamer.grad_flushes,
                     "model_state_peak_resident_bytes": streamer.peak_resident}
 
-        return Installed(patches=patches, description=description, stats=stats, close=streamer.remove)
+        installed = Installed(patches=patches, description=description, stats=stats, close=streamer.remove)
+        installed.streamer = streamer  # type: ignore[attr-defined]
+        return installed
 
     def defer(self, model: Any, cfg: LongContextConfig, who: str, line: Optional[str]) -> None:
         """Install when Megatron builds the optimizer over the DDP-wrapped ``model`` (its next
@@ -128,7 +144,7 @@ class ModelStatesFeature(Feature):
                 raise RuntimeError(f"{FLAG}: the optimizer is built over another model than the one installed")
             built = Built.of(model_chunks)
             installed = self.install(built, cfg)
-            streamer_install_optimizer = _optimizer_hooks(installed, built)
+            streamer_install_optimizer = _optimizer_hooks(installed, installed.streamer, cfg)
             for chunk in built.chunks:
                 chunk._longctx_model_states = installed
             atexit.register(_close, installed)
@@ -139,7 +155,7 @@ class ModelStatesFeature(Feature):
             return streamer_install_optimizer(optimizer)
 
         holder["original"] = training.get_megatron_optimizer
-        holder["patch"] = patch(training, "get_megatron_optimizer", get_megatron_optimizer,
+        holder["patch"] = self.pending = patch(training, "get_megatron_optimizer", get_megatron_optimizer,
                                 reason=f"{FLAG}: install the streamer once DDP has wrapped the model")
 
 
@@ -178,9 +194,55 @@ def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]
             patch(ddp, "no_sync", held_sync, reason=why).undo]
 
 
-def _optimizer_hooks(installed: Installed, built: Built) -> Callable[[Any], Any]:
-    """For ``disk``: wrap the optimizer's step (and checkpoint state) so it sees the weights and gradients
-    read back from the files, and writes the updated weights back.  ``host``: nothing to do (the
-    parameters and ``main_grad`` are views of the host copies)."""
-    return lambda optimizer: optimizer
+def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: LongContextConfig) -> Callable[[Any], Any]:
+    """For ``disk``: the optimizer's step and Megatron's checkpoint save and load see the weights and
+    gradients read back from the files (:func:`_materialized`), the updated weights are written back, and
+    Adam's moments live on disk too (:mod:`megatron_longctx.megatron.offdevice_optimizer`).  ``host``:
+    nothing to add (the parameters and ``main_grad`` are views of the host copies, stepped in place)."""
+    if streamer.opts.target != "disk":
+        return lambda optimizer: optimizer
+    import megatron.training.training as training
+
+    from megatron_longctx.megatron import offdevice_optimizer
+    from megatron_longctx.memory.offdevice_optimizer import OffDeviceSpec
+
+    why = f"{FLAG} disk: the weights are read back from their files for this call"
+    for name in ("save_checkpoint", "load_checkpoint"):
+        installed.patches.append(patch(training, name, _around(getattr(training, name), streamer), reason=why).undo)
+
+    def wire(optimizer: Any) -> Any:
+        spec = OffDeviceSpec(target="disk", pool=streamer.opts.pool, disk_dir=streamer.opts.disk_dir)
+        moved = offdevice_optimizer.install(optimizer, spec)
+        installed.patches.append(moved.remove)
+        installed.patches.append(patch(optimizer, "step", _around(optimizer.step, streamer), reason=why).undo)
+        return optimizer
+
+    return wire
+
+
+def _around(fn: Callable[..., Any], streamer: ModelStateStreamer) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _materialized(streamer):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _materialized(streamer: ModelStateStreamer) -> Any:
+    """Every unit's weights and accumulated gradients as host tensors for the parameters' ``.data`` and
+    ``main_grad``; afterwards the (possibly updated) weights are written back to the files."""
+    for i, u in enumerate(streamer.units):
+        for p, w, g in zip(u.params, streamer.unit_weights(i), streamer.unit_grads(i)):
+            p.param.data = w
+            if g is not None:
+                p.param.main_grad = g
+    try:
+        yield
+    finally:
+        for i, u in enumerate(streamer.units):
+            streamer.store_weights(i, [p.param.data for p in u.params])
+            streamer._point_off_device(u)
+
+
 FEATURE = ModelStatesFeature()
