@@ -118,7 +118,7 @@ class ModelStatesFeature(Feature):
         patches: list[Callable[[], None]] = []
         if ddp is not None:
             patches.extend(_wire_ddp(ddp, streamer))
-        where = "host (pinned pool)" if opts.target == "host" else f"disk ({streamer.run_dir.path})"
+        where = ("host (pinned pool)" if pool.pin else "host") if opts.target == "host" else f"disk ({streamer.run_dir.path})"
         description = (f"weights and gradients streamed per layer through {len(streamer.wslots)} slots of "
                        f"{streamer.slot_bytes / 2**20:.2f} MiB; off-device copy in {where}")
 
