@@ -391,6 +391,21 @@ class ModelStateStreamer:
                 u.ghost.zero_()
             u.has_grad = False
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every accumulated main gradient by ``factor`` (Megatron's ``scale_gradients``)."""
+        for u in self.units:
+            if u.ghost is not None:
+                data = u.ghost
+            elif u.has_grad:
+                data = self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
+            else:
+                continue
+            for p in u.params:
+                if p.goffset >= 0:
+                    _view(data, p.goffset, p.grad_dtype, p.shape).mul_(factor)
+            if u.ghost is None:
+                self._write(data, u.gpath, f"unit {u.index}'s gradients")
+
     def unit_weights(self, index: int) -> list[torch.Tensor]:
         """Unit ``index``'s weights as they are off the device (copies for ``disk``)."""
         u = self.units[index]

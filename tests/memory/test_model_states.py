@@ -85,6 +85,24 @@ def test_outputs_and_grads_bit_for_bit(target: str, recompute: bool, tmp_path) -
     streamer.remove()
 
 
+@pytest.mark.parametrize("target", ["host", "disk"])
+def test_scale_grads_scales_the_accumulators(target: str, tmp_path) -> None:
+    """Megatron's ``scale_gradients`` (per-token loss) reaches the off-device accumulators."""
+    torch.manual_seed(0)
+    ref = Stack()
+    model = copy.deepcopy(ref)
+    streamer = _streamer(model, target, tmp_path)
+    tokens = torch.randint(0, 32, (2, 8))
+    _loss(ref, tokens).backward()
+    _loss(model, tokens).backward()
+    streamer.finish_backward()
+    streamer.scale_grads(0.25)
+    for i, unit in enumerate(ref.units()):
+        for p_ref, g in zip(unit.parameters(), streamer.unit_grads(i)):
+            assert_close(g, p_ref.grad * 0.25, rtol=0, atol=0)
+    streamer.remove()
+
+
 def test_float64_reference(tmp_path) -> None:
     """Against a float64 run of the same model (tolerance of float32)."""
     torch.manual_seed(1)

@@ -169,7 +169,7 @@ def _close(installed: Installed) -> None:
 
 
 def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]]:
-    zero, finish, no_sync = ddp.zero_grad_buffer, ddp.finish_grad_sync, ddp.no_sync
+    zero, finish, no_sync, scale = ddp.zero_grad_buffer, ddp.finish_grad_sync, ddp.no_sync, ddp.scale_gradients
 
     def zero_grad_buffer(*args: Any, **kwargs: Any) -> Any:
         streamer.zero_grad()
@@ -178,6 +178,10 @@ def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]
     def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
         streamer.finish_backward()
         return finish(*args, **kwargs)
+
+    def scale_gradients(factor: float) -> Any:  # Megatron's per-token loss: the accumulators are the gradients
+        streamer.scale_grads(factor)
+        return scale(factor)
 
     @contextlib.contextmanager
     def held_sync() -> Any:
@@ -191,6 +195,7 @@ def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]
     why = f"{FLAG}: DDP's gradient buffers are the streamer's off-device copies"
     return [patch(ddp, "zero_grad_buffer", zero_grad_buffer, reason=why).undo,
             patch(ddp, "finish_grad_sync", finish_grad_sync, reason=why).undo,
+            patch(ddp, "scale_gradients", scale_gradients, reason=why).undo,
             patch(ddp, "no_sync", held_sync, reason=why).undo]
 
 
