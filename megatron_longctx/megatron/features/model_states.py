@@ -170,18 +170,34 @@ def _close(installed: Installed) -> None:
 
 def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]]:
     zero, finish, no_sync, scale = ddp.zero_grad_buffer, ddp.finish_grad_sync, ddp.no_sync, ddp.scale_gradients
+    streamed = {id(p.param) for u in streamer.units for p in u.params}
+    # every parameter DDP holds is streamed: its param_data / grad_data buffers are no one's any more (the
+    # parameters and main_grad point at the off-device copies), so they are freed and DDP's own zeroing,
+    # reduction and scaling of them are skipped
+    free = all(id(p) in streamed for p in ddp.param_to_bucket_group) and not ddp.expert_parallel_buffers
+    if free:
+        for buf in ddp.buffers:
+            for bucket in buf.buckets:
+                bucket.param_data = bucket.grad_data = None
+            buf.param_data = buf.grad_data = None
 
     def zero_grad_buffer(*args: Any, **kwargs: Any) -> Any:
         streamer.zero_grad()
-        return zero(*args, **kwargs)
+        if not free:
+            return zero(*args, **kwargs)
+        for param in ddp.params_with_grad:
+            param.grad_added_to_main_grad = False
+        for group in ddp.bucket_groups:
+            group.reset()
+        return None
 
     def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
         streamer.finish_backward()
-        return finish(*args, **kwargs)
+        return None if free else finish(*args, **kwargs)
 
     def scale_gradients(factor: float) -> Any:  # Megatron's per-token loss: the accumulators are the gradients
         streamer.scale_grads(factor)
-        return scale(factor)
+        return None if free else scale(factor)
 
     @contextlib.contextmanager
     def held_sync() -> Any:
