@@ -167,8 +167,13 @@ class LongContextModelHook:
     def __call__(self, model: list) -> list:
         from megatron_longctx.megatron.plugin import LongContextPlugin
 
+        cfg = LongContextConfig.from_flat(self.options)
+        if cfg.model_states.enabled:  # Bridge builds its optimizer outside megatron.training: not wired
+            raise ValueError(f"{PREFIX}: model_state_offload={cfg.model_states.model_state_offload!r} is not wired "
+                             "into Megatron-Bridge's training loop in this version; drop it (it works through "
+                             "`megatron-longctx run` and the launcher)")
         check_built_model(model)
-        LongContextPlugin(LongContextConfig.from_flat(self.options)).install_and_report(model, who=PREFIX)
+        LongContextPlugin(cfg).install_and_report(model, who=PREFIX)
         return model
 
 

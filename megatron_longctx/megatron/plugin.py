@@ -96,14 +96,14 @@ class LongContextPlugin:
         for feature in self.features:
             feature.check(self.cfg, config)
 
-    def install(self, model: Any) -> Installation:
-        """Put the enabled features on a built ``model`` (a module, possibly DDP/Float16Module-wrapped, or a
-        list of chunks) in the order of :data:`FEATURES`."""
+    def install(self, model: Any, features: Optional[tuple[Feature, ...]] = None) -> Installation:
+        """Put the enabled features (or ``features`` of them) on a built ``model`` (a module, possibly
+        DDP/Float16Module-wrapped, or a list of chunks) in the order of :data:`FEATURES`."""
         built = Built.of(model)
         self.check(built.config)
         installation = Installation(built, [])
         try:
-            for feature in self.features:
+            for feature in self.features if features is None else features:
                 installation.installed.append((feature, feature.install(built, self.cfg)))
         except BaseException:
             installation.remove()
@@ -112,21 +112,28 @@ class LongContextPlugin:
         return installation
 
     def install_and_report(self, model: Any, who: str = "megatron-longctx") -> Optional[Installation]:
-        """:meth:`install` (if any memory feature is on); each chunk of ``model`` then holds the installation
-        as ``_longctx_memory_handle``, and rank 0 prints one line naming each feature and where it went."""
+        """Under Megatron's training loop, on the model its provider returns: :meth:`install` the features
+        that go on now (``None`` where there are none); each chunk of ``model`` then holds the installation
+        as ``_longctx_memory_handle``.  A feature that ``waits_for_optimizer`` is deferred to the optimizer's
+        build.  Rank 0 prints one line naming each feature and where it went (once all are in)."""
         mem = self.cfg.memory
-        if not mem.any_enabled:
-            return None
-        installation = self.install(model)
-        for chunk in model if isinstance(model, list) else [model]:
-            chunk._longctx_memory_handle = installation
-        if os.environ.get("RANK", "0") == "0":
-            if mem.recompute_enabled:
-                what = (f"selective: {' '.join(mem.recompute_modules)}" if mem.recompute_granularity == "selective"
-                        else f"full: {mem.recompute_method}")
-                print(f"{who}: Megatron's --recompute-granularity ({what}) runs in the plugin's recompute on "
-                      f"{len(installation.layers)} layers (see plugin_recompute)", flush=True)
-            print(f"{who}: memory features: {installation.describe()}", flush=True)
+        now = tuple(f for f in self.features if not f.waits_for_optimizer)
+        later = [f for f in self.features if f.waits_for_optimizer]
+        installation = self.install(model, now) if now else None
+        if installation is not None:
+            for chunk in model if isinstance(model, list) else [model]:
+                chunk._longctx_memory_handle = installation
+        rank0 = os.environ.get("RANK", "0") == "0"
+        if rank0 and installation is not None and mem.recompute_enabled:
+            what = (f"selective: {' '.join(mem.recompute_modules)}" if mem.recompute_granularity == "selective"
+                    else f"full: {mem.recompute_method}")
+            print(f"{who}: Megatron's --recompute-granularity ({what}) runs in the plugin's recompute on "
+                  f"{len(installation.layers)} layers (see plugin_recompute)", flush=True)
+        line = installation.describe() if installation is not None else None
+        for feature in later:
+            feature.defer(model, self.cfg, who, line)
+        if rank0 and installation is not None and not later:
+            print(f"{who}: memory features: {line}", flush=True)
         return installation
 
     def build(self, build: Callable[[Any, dict[str, Any]], Any], config: Any, specs: dict[str, Any],

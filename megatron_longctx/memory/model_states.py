@@ -59,12 +59,15 @@ class _Param:
 class _Unit:
     """One unit's parameters, their layout and where their bytes live between uses."""
 
-    def __init__(self, index: int, module: torch.nn.Module, grad_dtype: Optional[torch.dtype]) -> None:
-        self.index, self.module = index, module
+    def __init__(self, index: int, module: Any, grad_dtype: Optional[torch.dtype]) -> None:
+        # a module, or a tuple of modules sharing parameters (tied embedding and output layer): every one of
+        # them brings the unit's weights in for its forward
+        self.modules = tuple(module) if isinstance(module, (tuple, list)) else (module,)
+        self.index, self.module = index, self.modules[0]
         self.params: list[_Param] = []
         nbytes = gbytes = 0
         seen: set = set()
-        for p in module.parameters():
+        for p in (q for m in self.modules for q in m.parameters()):
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -105,6 +108,8 @@ class StreamOptions:
     grad_dtype: dtype of the main gradients (None: the parameter's).  accumulate_grad: add ``.grad``
     into ``main_grad`` here (False when Megatron's DDP hooks do it).  reduce_group: a process group (data
     parallel x context parallel) the gradient slot is summed over before it leaves the device.
+    grad_scale: the factor the gradients are multiplied by before that sum (Megatron's DDP
+    ``gradient_scaling_factor``, 1 / the group's size when the loss is not per token).
     """
 
     target: str
@@ -115,6 +120,7 @@ class StreamOptions:
     grad_dtype: Optional[torch.dtype] = torch.float32
     accumulate_grad: bool = True
     reduce_group: Any = None
+    grad_scale: float = 1.0
 
 
 class ModelStateStreamer:
@@ -259,9 +265,9 @@ class ModelStateStreamer:
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
         for u in self.units:
-            m = u.module
-            self._handles.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u)))
-            self._handles.append(m.register_forward_hook(lambda _m, _a, out, u=u: self._post_forward(u, out)))
+            for m in u.modules:
+                self._handles.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u)))
+                self._handles.append(m.register_forward_hook(lambda _m, _a, out, u=u: self._post_forward(u, out)))
             for p in u.params:
                 if p.goffset >= 0:
                     self._handles.append(p.param.register_post_accumulate_grad_hook(
@@ -331,6 +337,8 @@ class ModelStateStreamer:
                         _view(acc, p.goffset, p.grad_dtype, p.shape).to(gbuf.device))
         for p in u.params:  # every rank flushes its units in the same order: the collectives match
             if p.goffset >= 0:
+                if self.opts.grad_scale != 1.0:
+                    _view(gbuf, p.goffset, p.grad_dtype, p.shape).mul_(self.opts.grad_scale)
                 torch.distributed.all_reduce(_view(gbuf, p.goffset, p.grad_dtype, p.shape), group=group)
         if u.ghost is not None:
             u.ghost.copy_(gbuf)
@@ -382,6 +390,21 @@ class ModelStateStreamer:
             if u.ghost is not None:
                 u.ghost.zero_()
             u.has_grad = False
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every accumulated main gradient by ``factor`` (Megatron's ``scale_gradients``)."""
+        for u in self.units:
+            if u.ghost is not None:
+                data = u.ghost
+            elif u.has_grad:
+                data = self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
+            else:
+                continue
+            for p in u.params:
+                if p.goffset >= 0:
+                    _view(data, p.goffset, p.grad_dtype, p.shape).mul_(factor)
+            if u.ghost is None:
+                self._write(data, u.gpath, f"unit {u.index}'s gradients")
 
     def unit_weights(self, index: int) -> list[torch.Tensor]:
         """Unit ``index``'s weights as they are off the device (copies for ``disk``)."""

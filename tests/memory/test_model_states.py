@@ -85,6 +85,24 @@ def test_outputs_and_grads_bit_for_bit(target: str, recompute: bool, tmp_path) -
     streamer.remove()
 
 
+@pytest.mark.parametrize("target", ["host", "disk"])
+def test_scale_grads_scales_the_accumulators(target: str, tmp_path) -> None:
+    """Megatron's ``scale_gradients`` (per-token loss) reaches the off-device accumulators."""
+    torch.manual_seed(0)
+    ref = Stack()
+    model = copy.deepcopy(ref)
+    streamer = _streamer(model, target, tmp_path)
+    tokens = torch.randint(0, 32, (2, 8))
+    _loss(ref, tokens).backward()
+    _loss(model, tokens).backward()
+    streamer.finish_backward()
+    streamer.scale_grads(0.25)
+    for i, unit in enumerate(ref.units()):
+        for p_ref, g in zip(unit.parameters(), streamer.unit_grads(i)):
+            assert_close(g, p_ref.grad * 0.25, rtol=0, atol=0)
+    streamer.remove()
+
+
 def test_float64_reference(tmp_path) -> None:
     """Against a float64 run of the same model (tolerance of float32)."""
     torch.manual_seed(1)
@@ -339,11 +357,23 @@ def test_cp2_bit_for_bit(algorithm: str, recompute: bool) -> None:
     run_ranks(2, _cp_body, algorithm, recompute)
 
 
-def test_megatron_training_paths_refuse_until_wired() -> None:
-    """No silent no-op: the model installer of the launcher, `run` and Bridge refuses the flag by name."""
+def test_bridge_refuses_and_megatron_training_defers() -> None:
+    """No silent no-op: Bridge's hook refuses the flag by name; the launcher's and `run`'s installer defers
+    the install to Megatron's optimizer build (after DDP), patching ``get_megatron_optimizer`` once."""
+    import megatron.training.training as training
+
+    from megatron_longctx.bridge.configure import LongContextModelHook
+    from megatron_longctx.megatron.features.model_states import FEATURE
     from megatron_longctx.config import LongContextConfig
     from megatron_longctx.megatron.memory_spec import install_and_report
 
+    with pytest.raises(ValueError, match=r"model_state_offload='host' is not wired into Megatron-Bridge.*drop it"):
+        LongContextModelHook({"model_state_offload": "host"})([torch.nn.Linear(2, 2)])
+    original = training.get_megatron_optimizer
     cfg = LongContextConfig.from_flat({"model_state_offload": "host"})
-    with pytest.raises(ValueError, match=r"--longctx-model-state-offload host: .*drop the flag"):
-        install_and_report(torch.nn.Linear(2, 2), cfg)
+    assert install_and_report(torch.nn.Linear(2, 2), cfg) is None
+    try:
+        assert training.get_megatron_optimizer is not original
+    finally:
+        FEATURE.pending.undo()
+    assert training.get_megatron_optimizer is original

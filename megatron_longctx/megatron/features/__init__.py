@@ -10,31 +10,19 @@ before it left, so a later installer is the outer wrapper:
 3. offload: scopes around the named submodules, outside selective recompute, so they see what a recomputed
    module keeps (the offloader itself is shared, made on first use: :func:`.offload.offloader_of`);
 4. model-state offload, last (outermost): it must see every other wrapper in place, and its layer
-   pre-hooks run before any recompute wrapper re-enters the layer.
+   pre-hooks run before any recompute wrapper re-enters the layer.  Under Megatron's training loop it
+   waits for the optimizer (``waits_for_optimizer``): DDP wraps the model after the provider returns it.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from megatron_longctx.megatron.features.base import Built, Feature, Installed
 from megatron_longctx.megatron.features.lean_norm import LeanNormFeature
+from megatron_longctx.megatron.features.model_states import FEATURE as MODEL_STATES
 from megatron_longctx.megatron.features.offload import OffloadFeature
 from megatron_longctx.megatron.features.recompute import RecomputeFeature
 from megatron_longctx.megatron.features.tiled_loss import TiledLossFeature
 from megatron_longctx.megatron.features.tiled_mlp import TiledMLPFeature
-
-
-def _model_states() -> tuple[Feature, ...]:
-    """The model-state offload installer where its module is present (it is optional in this tree)."""
-    name = "megatron_longctx.megatron.features.model_states"
-    try:
-        model_states = importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name != name:
-            raise
-        return ()
-    return (model_states.FEATURE,)
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -43,7 +31,7 @@ FEATURES: tuple[Feature, ...] = (
     LeanNormFeature(),
     RecomputeFeature(),
     OffloadFeature(),
-    *_model_states(),  # last: see 4. above
+    MODEL_STATES,  # last: see 4. above
 )
 
 __all__ = ["FEATURES", "Built", "Feature", "Installed"]

@@ -55,6 +55,9 @@ class Feature:
     """One memory feature's installer; subclasses override what their feature needs."""
 
     name: str = ""  # as it appears in the "memory features:" line
+    # Installed when Megatron's training loop builds the optimizer over the DDP-wrapped model
+    # (:meth:`defer`), not on the bare model the provider returns.
+    waits_for_optimizer: bool = False
 
     def enabled(self, cfg: LongContextConfig) -> bool:
         raise NotImplementedError
@@ -69,6 +72,11 @@ class Feature:
         return config
 
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
+        raise NotImplementedError
+
+    def defer(self, model: Any, cfg: LongContextConfig, who: str, line: Optional[str]) -> None:
+        """For ``waits_for_optimizer`` features: install on ``model`` once the optimizer is built over it;
+        rank 0 then prints the "memory features:" line (``line``: what the other features installed)."""
         raise NotImplementedError
 
 

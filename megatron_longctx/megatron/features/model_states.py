@@ -1,0 +1,270 @@
+"""Model-state offload (``--longctx-model-state-offload host|disk``) on a model Megatron trains.
+
+The installer runs last, over the model as Megatron's ``DistributedDataParallel`` left it (DDP points each
+parameter at its ``param_data`` buffer and ``main_grad`` at its ``grad_data`` buffer when it is built, so
+the streamer must come after it): a :class:`~megatron_longctx.memory.model_states.ModelStateStreamer` over
+the units of each chunk (the embedding, every transformer layer, the final norm, the output layer; a tied
+embedding and output layer are one unit that both bring in).  Each parameter's ``.data`` and ``main_grad``
+then point at the off-device copy between uses, so what DDP and Megatron's optimizer read is the truth:
+
+* DDP's gradient hook runs after the streamer's (which adds ``param.grad`` into the slot and clears it), so
+  it adds nothing twice; the streamer reduces each unit's slot over DDP's data x context parallel group with
+  DDP's scaling factor on the step's last micro-batch;
+* ``zero_grad_buffer`` also zeroes the off-device accumulators, ``no_sync`` also holds the streamer's
+  reduction, ``finish_grad_sync`` first flushes any unit whose backward missed a parameter;
+* the optimizer steps the off-device copies in place (``host``); for ``disk`` each optimizer step and each
+  checkpoint save see the weights and gradients read back from the files, and the updated weights are
+  written back after the step.
+
+``install_and_report`` calls :meth:`ModelStatesFeature.defer` on the bare model the provider returns; the
+install happens when Megatron builds the optimizer over the DDP-wrapped chunks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_longctx.config import LongContextConfig
+from megatron_longctx.megatron.features.base import Built, Feature, Installed, unwrap
+from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.model_states import FLAG, ModelStateStreamer, StreamOptions
+from megatron_longctx.patching import patch
+
+
+def _units(chunk: torch.nn.Module) -> list[Any]:
+    """The units of one (unwrapped) GPT chunk in the order its forward uses them."""
+    units: list[Any] = []
+    decoder = getattr(chunk, "decoder", None)
+    if decoder is None:
+        raise ValueError(f"{FLAG}: streams a GPT-like model (embedding, decoder.layers, output_layer); "
+                         f"{type(chunk).__name__} has no decoder: drop the flag")
+    embedding = getattr(chunk, "embedding", None) if getattr(chunk, "pre_process", False) else None
+    output = getattr(chunk, "output_layer", None) if getattr(chunk, "post_process", False) else None
+    tied = (embedding is not None and output is not None and getattr(output, "weight", None) is None
+            and getattr(chunk, "share_embeddings_and_output_weights", False))
+    if embedding is not None:
+        units.append((embedding, output) if tied else embedding)
+    units.extend(decoder.layers)
+    final_norm = getattr(decoder, "final_layernorm", None)
+    if final_norm is not None and any(True for _ in final_norm.parameters()):
+        units.append(final_norm)
+    if output is not None and not tied and any(True for _ in output.parameters()):
+        units.append(output)
+    if getattr(chunk, "mtp_process", False):
+        raise ValueError(f"{FLAG}: multi-token prediction layers are not streamed; drop --mtp-num-layers or the flag")
+    return units
+
+
+def _default_disk_dir() -> str:
+    """As the activation offload's: ``<--save>/offload``, else the temporary directory."""
+    import tempfile
+
+    from megatron.training.global_vars import get_args
+
+    try:
+        save = get_args().save
+    except AssertionError:  # no Megatron arguments: not under megatron.training
+        save = None
+    return os.path.join(save, "offload") if save else tempfile.gettempdir()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ModelStatesFeature(Feature):
+    name = "model states"
+    waits_for_optimizer = True
+
+    def enabled(self, cfg: LongContextConfig) -> bool:
+        return cfg.model_states.enabled
+
+    def install(self, built: Built, cfg: LongContextConfig) -> Installed:
+        ms, mem = cfg.model_states, cfg.memory
+        wrappers = list(built.model) if isinstance(built.model, (list, tuple)) else [built.model]
+        if len(built.chunks) != 1:
+            raise ValueError(f"{FLAG}: one model chunk per rank is streamed; drop "
+                             "--num-layers-per-virtual-pipeline-stage or the flag")
+        ddp = wrappers[0] if hasattr(wrappers[0], "zero_grad_buffer") else None
+        units = _units(built.chunks[0])
+        params = [p for u in units for m in (u if isinstance(u, tuple) else (u,)) for p in m.parameters()]
+        grad_dtype, group, scale = torch.float32, None, 1.0
+        if ddp is not None:
+            if getattr(ddp.ddp_config, "use_distributed_optimizer", False):
+                raise ValueError(f"{FLAG}: the distributed optimizer shards DDP's buffers the streamer replaces; "
+                                 "drop --use-distributed-optimizer")
+            if getattr(ddp.ddp_config, "overlap_grad_reduce", False) or getattr(ddp.ddp_config, "average_in_collective", False):
+                raise ValueError(f"{FLAG}: the streamer reduces each unit's gradients itself; drop "
+                                 "--overlap-grad-reduce and --ddp-average-in-collective")
+            main = next((p.main_grad for p in params if getattr(p, "main_grad", None) is not None), None)
+            grad_dtype = main.dtype if main is not None else torch.float32
+            group = ddp.dp_cp_group
+            buckets = [b for g in ddp.bucket_groups for b in g.buckets]
+            factors = {b.gradient_scaling_factor for b in buckets}
+            if len(factors) > 1:
+                raise ValueError(f"{FLAG}: DDP's buckets scale gradients by {sorted(factors)}; one factor is needed")
+            scale = factors.pop() if factors else 1.0
+        pool = HostPool(mem.offload_host_pool_bytes)
+        disk_dir = mem.offload_disk_dir or _default_disk_dir() if ms.model_state_offload == "disk" else None
+        opts = StreamOptions(target=ms.model_state_offload, device=_device(), pool=pool,
+                             disk_dir=disk_dir,
+                             slots=ms.model_state_slots, grad_dtype=grad_dtype, accumulate_grad=True,
+                             reduce_group=group, grad_scale=scale)
+        streamer = ModelStateStreamer(units, opts)
+        patches: list[Callable[[], None]] = []
+        if ddp is not None:
+            patches.extend(_wire_ddp(ddp, streamer))
+        where = ("host (pinned pool)" if pool.pin else "host") if opts.target == "host" else f"disk ({streamer.run_dir.path})"
+        description = (f"weights and gradients streamed per layer through {len(streamer.wslots)} slots of "
+                       f"{streamer.slot_bytes / 2**20:.2f} MiB; off-device copy in {where}")
+
+        def stats() -> dict[str, int]:
+            return {"model_state_loads": streamer.loads, "model_state_grad_flushes": streamer.grad_flushes,
+                    "model_state_peak_resident_bytes": streamer.peak_resident}
+
+        installed = Installed(patches=patches, description=description, stats=stats, close=streamer.remove)
+        installed.streamer = streamer  # type: ignore[attr-defined]
+        return installed
+
+    def defer(self, model: Any, cfg: LongContextConfig, who: str, line: Optional[str]) -> None:
+        """Install when Megatron builds the optimizer over the DDP-wrapped ``model`` (its next
+        ``get_megatron_optimizer`` call); then rank 0 prints the "memory features:" line (``line``: what the
+        other features installed) with the model states in it."""
+        import megatron.training.training as training
+
+        holder: dict[str, Any] = {}
+
+        def get_megatron_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
+            holder["patch"].undo()
+            if unwrap(model_chunks)[0] is not unwrap(model)[0]:
+                raise RuntimeError(f"{FLAG}: the optimizer is built over another model than the one installed")
+            built = Built.of(model_chunks)
+            installed = self.install(built, cfg)
+            streamer_install_optimizer = _optimizer_hooks(installed, installed.streamer, cfg)
+            for chunk in built.chunks:
+                chunk._longctx_model_states = installed
+            atexit.register(_close, installed)
+            if os.environ.get("RANK", "0") == "0":
+                parts = [p for p in (line, f"{self.name}: {installed.description}") if p]
+                print(f"{who}: memory features: {'; '.join(parts)}", flush=True)
+            optimizer = holder["original"](config, model_chunks, *args, **kwargs)
+            return streamer_install_optimizer(optimizer)
+
+        holder["original"] = training.get_megatron_optimizer
+        holder["patch"] = self.pending = patch(training, "get_megatron_optimizer", get_megatron_optimizer,
+                                reason=f"{FLAG}: install the streamer once DDP has wrapped the model")
+
+
+def _close(installed: Installed) -> None:
+    for undo in reversed(installed.patches):
+        undo()
+    installed.patches.clear()
+    if installed.close is not None:
+        installed.close()
+        installed.close = None
+
+
+def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]]:
+    zero, finish, no_sync, scale = ddp.zero_grad_buffer, ddp.finish_grad_sync, ddp.no_sync, ddp.scale_gradients
+    streamed = {id(p.param) for u in streamer.units for p in u.params}
+    # every parameter DDP holds is streamed: its param_data / grad_data buffers are no one's any more (the
+    # parameters and main_grad point at the off-device copies), so they are freed and DDP's own zeroing,
+    # reduction and scaling of them are skipped
+    free = all(id(p) in streamed for p in ddp.param_to_bucket_group) and not ddp.expert_parallel_buffers
+    if free:
+        for buf in ddp.buffers:
+            for bucket in buf.buckets:
+                bucket.param_data = bucket.grad_data = None
+            buf.param_data = buf.grad_data = None
+
+    def zero_grad_buffer(*args: Any, **kwargs: Any) -> Any:
+        streamer.zero_grad()
+        if not free:
+            return zero(*args, **kwargs)
+        for param in ddp.params_with_grad:
+            param.grad_added_to_main_grad = False
+        for group in ddp.bucket_groups:
+            group.reset()
+        return None
+
+    def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
+        streamer.finish_backward()
+        return None if free else finish(*args, **kwargs)
+
+    def scale_gradients(factor: float) -> Any:  # Megatron's per-token loss: the accumulators are the gradients
+        streamer.scale_grads(factor)
+        return None if free else scale(factor)
+
+    @contextlib.contextmanager
+    def held_sync() -> Any:
+        streamer.sync_grads = False
+        try:
+            with no_sync():
+                yield
+        finally:
+            streamer.sync_grads = True
+
+    why = f"{FLAG}: DDP's gradient buffers are the streamer's off-device copies"
+    return [patch(ddp, "zero_grad_buffer", zero_grad_buffer, reason=why).undo,
+            patch(ddp, "finish_grad_sync", finish_grad_sync, reason=why).undo,
+            patch(ddp, "scale_gradients", scale_gradients, reason=why).undo,
+            patch(ddp, "no_sync", held_sync, reason=why).undo]
+
+
+def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: LongContextConfig) -> Callable[[Any], Any]:
+    """For ``disk``: the optimizer's step and Megatron's checkpoint save and load see the weights and
+    gradients read back from the files (:func:`_materialized`), the updated weights are written back, and
+    Adam's moments live on disk too (:mod:`megatron_longctx.megatron.offdevice_optimizer`).  ``host``:
+    nothing to add (the parameters and ``main_grad`` are views of the host copies, stepped in place)."""
+    if streamer.opts.target != "disk":
+        return lambda optimizer: optimizer
+    import megatron.training.training as training
+
+    from megatron_longctx.megatron import offdevice_optimizer
+    from megatron_longctx.memory.offdevice_optimizer import OffDeviceSpec
+
+    why = f"{FLAG} disk: the weights are read back from their files for this call"
+    for name in ("save_checkpoint", "load_checkpoint"):
+        installed.patches.append(patch(training, name, _around(getattr(training, name), streamer), reason=why).undo)
+
+    def wire(optimizer: Any) -> Any:
+        spec = OffDeviceSpec(target="disk", pool=streamer.opts.pool, disk_dir=streamer.opts.disk_dir)
+        moved = offdevice_optimizer.install(optimizer, spec)
+        installed.patches.append(moved.remove)
+        installed.patches.append(patch(optimizer, "step", _around(optimizer.step, streamer), reason=why).undo)
+        return optimizer
+
+    return wire
+
+
+def _around(fn: Callable[..., Any], streamer: ModelStateStreamer) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _materialized(streamer):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _materialized(streamer: ModelStateStreamer) -> Any:
+    """Every unit's weights and accumulated gradients as host tensors for the parameters' ``.data`` and
+    ``main_grad``; afterwards the (possibly updated) weights are written back to the files."""
+    for i, u in enumerate(streamer.units):
+        for p, w, g in zip(u.params, streamer.unit_weights(i), streamer.unit_grads(i)):
+            p.param.data = w
+            if g is not None:
+                p.param.main_grad = g
+    try:
+        yield
+    finally:
+        for i, u in enumerate(streamer.units):
+            streamer.store_weights(i, [p.param.data for p in u.params])
+            streamer._point_off_device(u)
+
+
+FEATURE = ModelStatesFeature()
