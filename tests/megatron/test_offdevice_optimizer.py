@@ -74,8 +74,19 @@ def _train(bf16, target, root, resume_at=None):
     return out, norms, sorted(wds), kind, init
 
 
+def _clipping_runs_on_a_cpu() -> bool:
+    """megatron-core 0.16's gradient clipping of a ChainedOptimizer meets its CUDA-type assert on a CPU even
+    under cpu_compat; 0.17 and later run it."""
+    from megatron.core import __version__
+
+    return tuple(int(x) for x in __version__.split("+")[0].split(".")[:2]) >= (0, 17)
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_swapped_inner_optimizer_trains_as_megatron(bf16, tmp_path):
+    if not _clipping_runs_on_a_cpu():
+        pytest.skip("megatron-core 0.16's gradient clipping asserts CUDA tensors on a CPU: this CPU test needs "
+                    "megatron-core >= 0.17")
     ref, ref_norms, wds, kind, start = run_ranks(1, _train, bf16, None, str(tmp_path))[0]
     assert kind == ["Float16OptimizerWithFloat16Params" if bf16 else "FP32Optimizer"]
     assert wds == [0.0, 0.1]  # Megatron's groups: no decay on biases and norms
