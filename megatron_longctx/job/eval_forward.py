@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_longctx.job import passkey
+from megatron_longctx.patching import Patch, patch
 
 
-def replace_train(settings: dict[str, Any]) -> tuple[Any, str, Any]:
-    """Set ``megatron.training.training.train`` to the evaluation; returns ``(owner, name, original)``."""
+def replace_train(settings: dict[str, Any]) -> Patch:
+    """Set ``megatron.training.training.train`` to the evaluation; returns the :class:`Patch` that undoes it."""
     from megatron.training import training
-
-    original = training.train
 
     def train(forward_step_func: Callable, model: Any, optimizer: Any, scheduler: Any, train_iterator: Any,
               *rest: Any, **kwargs: Any) -> tuple[int, float]:
@@ -30,8 +29,7 @@ def replace_train(settings: dict[str, Any]) -> tuple[Any, str, Any]:
         evaluate(model[0], train_iterator, settings)
         return get_args().iteration, 0.0
 
-    training.train = train
-    return training, "train", original
+    return patch(training, "train", train, "megatron-longctx eval: a forward-only pass where Megatron trains")
 
 
 def _unwrap(model: Any) -> Any:
