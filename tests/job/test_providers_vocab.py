@@ -21,7 +21,9 @@ def test_model_vocab_is_padded_as_megatron_pads_it(monkeypatch, divisor, tp):
     monkeypatch.setenv(providers.BASELINE_ENV, "1")  # Megatron's own attention: no plugin flags needed
     args = types.SimpleNamespace(make_vocab_size_divisible_by=divisor, tensor_model_parallel_size=tp,
                                  qk_layernorm=False, max_position_embeddings=256, untie_embeddings_and_output_weights=True,
-                                 position_embedding_type="rope", rotary_base=10000)
+                                 position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
+                                 use_rope_scaling=False, rope_scaling_factor=8.0,
+                                 rotary_seq_len_interpolation_factor=None)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     providers.model_provider(config=object())
     tokens = data_mod.ByteTokenizer().vocab_size
