@@ -267,7 +267,8 @@ class ModelStateStreamer:
         for u in self.units:
             for m in u.modules:
                 self._handles.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u)))
-                self._handles.append(m.register_forward_hook(lambda _m, _a, out, u=u: self._post_forward(u, out)))
+                self._handles.append(m.register_forward_hook(  # also when forward raises: the packer leaves
+                    lambda _m, _a, out, u=u: self._post_forward(u, out), always_call=True))
             for p in u.params:
                 if p.goffset >= 0:
                     self._handles.append(p.param.register_post_accumulate_grad_hook(
@@ -452,6 +453,8 @@ class ModelStateStreamer:
                 f"{len(self.wslots)} device slots of {self.slot_bytes} + {self.gslot_bytes} bytes")
 
     def remove(self) -> None:
+        while self._forward_ctx:  # a forward that never reached its post hook
+            self._forward_ctx.pop().__exit__(None, None, None)
         while self._handles:
             self._handles.pop().remove()
         if self.run_dir is not None:
@@ -482,8 +485,8 @@ class _SlotViewPacker:
         self.s = streamer
 
     def pack(self, t: torch.Tensor) -> Optional[Any]:
-        if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() not in self.s._slot_ptrs:
-            return None
+        if type(t) is not torch.Tensor or t.untyped_storage().data_ptr() not in self.s._slot_ptrs:
+            return None  # a parameter, a tensor subclass (no storage of its own) or no view of a slot
         for u in self.s.units:
             if u.wslot is None:
                 continue

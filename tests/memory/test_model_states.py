@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
+from megatron_longctx.memory import hooks
 from megatron_longctx.memory.host_pool import HostPool
 from megatron_longctx.memory.model_states import ModelStateError, ModelStateStreamer, StreamOptions
 
@@ -155,6 +156,8 @@ def test_check_released_fails_when_weights_stay(tmp_path) -> None:
     streamer._pre_forward(streamer.units[1])  # a forward that never finished: its weights stay in the slot
     with pytest.raises(AssertionError, match=r"units \[1\] still hold device slots"):
         streamer.check_released()
+    streamer.remove()
+    assert not hooks._packers(), "remove() leaves no packer registered"
 
 
 def test_host_pool_too_small_is_refused(tmp_path) -> None:
