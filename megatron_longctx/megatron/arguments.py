@@ -242,6 +242,7 @@ def _check_model_states(args: argparse.Namespace, cfg: LongContextConfig) -> Non
 
     model_states.check_megatron_offload(vars(args))
     if cfg.model_states.model_state_offload == "disk":
+        model_states.check_disk_step(vars(args))
         save = getattr(args, "save", None)
         root = cfg.memory.offload_disk_dir or (os.path.join(save, "offload") if save else tempfile.gettempdir())
         model_states.check_disk_dir(root)

@@ -21,6 +21,18 @@ def check_megatron_offload(values: dict, fix_prefix: str = "--") -> None:
                          f"(megatron-longctx's --longctx-offload-policy offloads activations), or drop {FLAG}")
 
 
+def check_disk_step(values: dict) -> None:
+    """What the ``disk`` target's unit-by-unit optimizer step serves: float32 parameters (no fp32 master copies
+    of bf16/fp16 weights, which would stay whole on the host) and no zero counting over all gradients."""
+    low = [f"--{n}" for n in ("bf16", "fp16") if values.get(n)]
+    if low:
+        raise ValueError(f"{FLAG} disk steps float32 parameters unit by unit; with {low[0]} Megatron keeps fp32 "
+                         f"master copies of every weight on the host: use {FLAG} host, or drop {low[0]}")
+    if values.get("log_num_zeros_in_grad"):
+        raise ValueError(f"{FLAG} disk: --log-num-zeros-in-grad would count zeros over every gradient at once; "
+                         "drop --log-num-zeros-in-grad")
+
+
 def check_disk_dir(root: str) -> None:
     """The directory the model states' files go under can be created and written."""
     try:

@@ -26,76 +26,25 @@ cost, and :meth:`ModelStateStreamer.check_released` fails if a unit's weights st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from megatron_longctx.memory import hooks
 from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.model_state_units import Unit, add_bytes, tensors, view
 from megatron_longctx.memory.offload_disk import DiskOffloadError, RunDir, read_file, write_file
 
 FLAG = "--longctx-model-state-offload"
 TARGETS = ("none", "host", "disk")
-_ALIGN = 64  # bytes: every parameter's view starts on this boundary
 
 
 class ModelStateError(RuntimeError):
     """The model states cannot be placed or moved (the message names the flag, what and the fix)."""
-
-
-@dataclasses.dataclass
-class _Param:
-    param: torch.nn.Parameter
-    shape: torch.Size
-    dtype: torch.dtype
-    offset: int  # byte offset in the unit's weight bytes
-    goffset: int  # byte offset in the unit's gradient bytes (-1: no gradient)
-    grad_dtype: torch.dtype
-
-
-class _Unit:
-    """One unit's parameters, their layout and where their bytes live between uses."""
-
-    def __init__(self, index: int, module: Any, grad_dtype: Optional[torch.dtype]) -> None:
-        # a module, or a tuple of modules sharing parameters (tied embedding and output layer): every one of
-        # them brings the unit's weights in for its forward
-        self.modules = tuple(module) if isinstance(module, (tuple, list)) else (module,)
-        self.index, self.module = index, self.modules[0]
-        self.params: list[_Param] = []
-        nbytes = gbytes = 0
-        seen: set = set()
-        for p in (q for m in self.modules for q in m.parameters()):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            gdt = grad_dtype or p.dtype
-            goff = -1
-            if p.requires_grad:
-                goff, gbytes = gbytes, _aligned(gbytes + p.numel() * torch.empty((), dtype=gdt).element_size())
-            self.params.append(_Param(p, p.shape, p.dtype, nbytes, goff, gdt))
-            nbytes = _aligned(nbytes + p.numel() * p.element_size())
-        self.nbytes, self.gbytes = nbytes, gbytes
-        self.host: Optional[torch.Tensor] = None  # [nbytes] uint8 (host target)
-        self.ghost: Optional[torch.Tensor] = None  # [gbytes] uint8 gradient accumulator (host target)
-        self.path: Optional[str] = None  # weights file (disk target)
-        self.gpath: Optional[str] = None  # gradient accumulator file (disk target)
-        self.has_grad = False  # the accumulator holds gradients of this step
-        self.wslot: Optional[int] = None
-        self.gslot: Optional[int] = None
-        self.pending: set = set()  # ids of parameters whose gradient has not come yet
-        self.in_forward = 0
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-    return buf[offset:offset + n].view(dtype).view(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +81,7 @@ class ModelStateStreamer:
         if opts.slots < 2:
             raise ModelStateError(f"{FLAG}: needs at least two device slots (one in use, one being filled)")
         self.opts = opts
-        self.units = [_Unit(i, m, opts.grad_dtype) for i, m in enumerate(units)]
+        self.units = [Unit(i, m, opts.grad_dtype) for i, m in enumerate(units)]
         self._by_param = {id(p.param): u for u in self.units for p in u.params}
         if len(self._by_param) != sum(len(u.params) for u in self.units):
             raise ModelStateError(f"{FLAG}: a parameter is shared by two units (tie them into one unit)")
@@ -203,14 +152,14 @@ class ModelStateStreamer:
                 f"free space under {os.path.dirname(path)}, point --longctx-offload-disk-dir at a larger disk, "
                 f"or use {FLAG} host") from exc
 
-    def _point_off_device(self, u: _Unit) -> None:
+    def _point_off_device(self, u: Unit) -> None:
         """Parameters between uses: views of the host copy (``host``); for ``disk`` a one-element
         placeholder of the right shape (the values are in the file; :meth:`unit_weights` reads them)."""
         for p in u.params:
             if u.host is not None:
-                p.param.data = _view(u.host, p.offset, p.dtype, p.shape)
+                p.param.data = view(u.host, p.offset, p.dtype, p.shape)
                 if p.goffset >= 0 and u.ghost is not None:
-                    p.param.main_grad = _view(u.ghost, p.goffset, p.grad_dtype, p.shape)
+                    p.param.main_grad = view(u.ghost, p.goffset, p.grad_dtype, p.shape)
             else:
                 p.param.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)
                 if p.goffset >= 0:
@@ -223,7 +172,7 @@ class ModelStateStreamer:
                 return i
         return None
 
-    def _load(self, u: _Unit) -> None:
+    def _load(self, u: Unit) -> None:
         """``u``'s weights into a weight slot (if not there yet) and its parameters pointed at them."""
         if u.wslot is None:
             slot = self._free_slot(self._wowner)
@@ -241,7 +190,7 @@ class ModelStateStreamer:
             self.loads += 1
         buf = self.wslots[u.wslot]
         for p in u.params:
-            p.param.data = _view(buf, p.offset, p.dtype, p.shape)
+            p.param.data = view(buf, p.offset, p.dtype, p.shape)
 
     def _read(self, path: str, nbytes: int, what: str) -> torch.Tensor:
         assert self._staging is not None
@@ -250,7 +199,7 @@ class ModelStateStreamer:
         except DiskOffloadError as exc:
             raise ModelStateError(f"{FLAG} disk: reading {what} ({nbytes} bytes) failed: {exc}") from exc
 
-    def _release(self, u: _Unit) -> None:
+    def _release(self, u: Unit) -> None:
         if u.wslot is None:
             return
         self._wowner[u.wslot], u.wslot = None, None
@@ -274,24 +223,24 @@ class ModelStateStreamer:
                     self._handles.append(p.param.register_post_accumulate_grad_hook(
                         lambda param, u=u: self._grad_ready(u, param)))
 
-    def _pre_forward(self, u: _Unit) -> None:
+    def _pre_forward(self, u: Unit) -> None:
         self._load(u)
         u.in_forward += 1
         ctx = hooks.packing(_SlotViewPacker(self))
         ctx.__enter__()
         self._forward_ctx.append(ctx)
 
-    def _post_forward(self, u: _Unit, out: Any) -> None:
+    def _post_forward(self, u: Unit, out: Any) -> None:
         self._forward_ctx.pop().__exit__(None, None, None)
         if torch.is_grad_enabled():  # the unit's backward starts when a gradient reaches one of its outputs
-            for t in _tensors(out):
+            for t in tensors(out):
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(lambda g, u=u: self._pre_backward(u))
         u.in_forward -= 1
         if not u.in_forward and u.gslot is None:
             self._release(u)
 
-    def _pre_backward(self, u: _Unit) -> None:
+    def _pre_backward(self, u: Unit) -> None:
         if u.gslot is not None:  # another output of the unit got there first
             return
         self._load(u)
@@ -305,10 +254,10 @@ class ModelStateStreamer:
             gbuf.zero_()
             for p in u.params:
                 if p.goffset >= 0:
-                    p.param.main_grad = _view(gbuf, p.goffset, p.grad_dtype, p.shape)
+                    p.param.main_grad = view(gbuf, p.goffset, p.grad_dtype, p.shape)
             u.pending = {id(p.param) for p in u.params if p.goffset >= 0}
 
-    def _grad_ready(self, u: _Unit, param: torch.Tensor) -> None:
+    def _grad_ready(self, u: Unit, param: torch.Tensor) -> None:
         if self.opts.accumulate_grad and param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None
@@ -316,7 +265,7 @@ class ModelStateStreamer:
         if not u.pending and u.gslot is not None:
             self._flush(u)
 
-    def _flush(self, u: _Unit) -> None:
+    def _flush(self, u: Unit) -> None:
         """``u``'s gradient slot added into its off-device accumulator; both its slots freed."""
         assert u.gslot is not None
         gbuf = self.gslots[u.gslot][:u.gbytes]
@@ -327,20 +276,20 @@ class ModelStateStreamer:
         self._accumulate(u, gbuf)
         self._done(u)
 
-    def _reduce(self, u: _Unit, gbuf: torch.Tensor, group: Any) -> None:
+    def _reduce(self, u: Unit, gbuf: torch.Tensor, group: Any) -> None:
         """The last micro-batch: the accumulated gradients join the slot, the slot is summed over ``group`` and
         becomes the accumulator (one reduction per step of what the micro-batches accumulated, as DDP's)."""
         if u.has_grad:
             acc = u.ghost if u.ghost is not None else self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
             for p in u.params:
                 if p.goffset >= 0:
-                    _view(gbuf, p.goffset, p.grad_dtype, p.shape).add_(
-                        _view(acc, p.goffset, p.grad_dtype, p.shape).to(gbuf.device))
+                    view(gbuf, p.goffset, p.grad_dtype, p.shape).add_(
+                        view(acc, p.goffset, p.grad_dtype, p.shape).to(gbuf.device))
         for p in u.params:  # every rank flushes its units in the same order: the collectives match
             if p.goffset >= 0:
                 if self.opts.grad_scale != 1.0:
-                    _view(gbuf, p.goffset, p.grad_dtype, p.shape).mul_(self.opts.grad_scale)
-                torch.distributed.all_reduce(_view(gbuf, p.goffset, p.grad_dtype, p.shape), group=group)
+                    view(gbuf, p.goffset, p.grad_dtype, p.shape).mul_(self.opts.grad_scale)
+                torch.distributed.all_reduce(view(gbuf, p.goffset, p.grad_dtype, p.shape), group=group)
         if u.ghost is not None:
             u.ghost.copy_(gbuf)
         else:
@@ -349,26 +298,26 @@ class ModelStateStreamer:
             self._write(self._staging[:u.gbytes], u.gpath, f"unit {u.index}'s gradients")
         self._done(u)
 
-    def _accumulate(self, u: _Unit, gbuf: torch.Tensor) -> None:
+    def _accumulate(self, u: Unit, gbuf: torch.Tensor) -> None:
         for p in u.params:
             if p.goffset < 0:
                 continue
             n = p.shape.numel()
             src = gbuf[p.goffset:p.goffset + n * torch.empty((), dtype=p.grad_dtype).element_size()]
             if u.ghost is not None:
-                _view(u.ghost, p.goffset, p.grad_dtype, p.shape).add_(src.view(p.grad_dtype).view(p.shape).cpu())
+                view(u.ghost, p.goffset, p.grad_dtype, p.shape).add_(src.view(p.grad_dtype).view(p.shape).cpu())
         if u.gpath is not None:
             acc = self._staging
             assert acc is not None
             acc = acc[:u.gbytes]
             if u.has_grad:
                 acc.copy_(self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients"))
-                _add_bytes(u, acc, gbuf.cpu())
+                add_bytes(u, acc, gbuf.cpu())
             else:
                 acc.copy_(gbuf)
             self._write(acc, u.gpath, f"unit {u.index}'s gradients")
 
-    def _done(self, u: _Unit) -> None:
+    def _done(self, u: Unit) -> None:
         assert u.gslot is not None
         u.has_grad = True
         self._gowner[u.gslot], u.gslot = None, None
@@ -403,7 +352,7 @@ class ModelStateStreamer:
                 continue
             for p in u.params:
                 if p.goffset >= 0:
-                    _view(data, p.goffset, p.grad_dtype, p.shape).mul_(factor)
+                    view(data, p.goffset, p.grad_dtype, p.shape).mul_(factor)
             if u.ghost is None:
                 self._write(data, u.gpath, f"unit {u.index}'s gradients")
 
@@ -411,7 +360,7 @@ class ModelStateStreamer:
         """Unit ``index``'s weights as they are off the device (copies for ``disk``)."""
         u = self.units[index]
         data = u.host if u.host is not None else self._read(u.path, u.nbytes, f"unit {index}'s weights").clone()
-        return [_view(data, p.offset, p.dtype, p.shape) for p in u.params]
+        return [view(data, p.offset, p.dtype, p.shape) for p in u.params]
 
     def unit_grads(self, index: int) -> list[Optional[torch.Tensor]]:
         """Unit ``index``'s accumulated main gradients (None where a parameter has none)."""
@@ -422,7 +371,7 @@ class ModelStateStreamer:
             data = self._read(u.gpath, u.gbytes, f"unit {index}'s gradients").clone()
         else:
             data = torch.zeros(u.gbytes, dtype=torch.uint8)
-        return [None if p.goffset < 0 else _view(data, p.goffset, p.grad_dtype, p.shape) for p in u.params]
+        return [None if p.goffset < 0 else view(data, p.goffset, p.grad_dtype, p.shape) for p in u.params]
 
     def store_weights(self, index: int, values: Sequence[torch.Tensor]) -> None:
         """Write updated weights of unit ``index`` to its off-device copy (``disk``; ``host`` is updated in
@@ -430,12 +379,59 @@ class ModelStateStreamer:
         u = self.units[index]
         if u.host is not None:
             for p, v in zip(u.params, values):
-                _view(u.host, p.offset, p.dtype, p.shape).copy_(v)
+                view(u.host, p.offset, p.dtype, p.shape).copy_(v)
             return
         assert self._staging is not None and u.path is not None
         for p, v in zip(u.params, values):
-            _view(self._staging, p.offset, p.dtype, p.shape).copy_(v)
+            view(self._staging, p.offset, p.dtype, p.shape).copy_(v)
         self._write(self._staging[:u.nbytes], u.path, f"unit {index}'s weights")
+
+    def param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """The streamed parameters, one list per unit (what :meth:`grads_in` and :meth:`weights_in` bring in)."""
+        return [[p.param for p in u.params] for u in self.units]
+
+    @contextlib.contextmanager
+    def grads_in(self, index: int) -> Iterator[list[torch.nn.Parameter]]:
+        """Inside the block, unit ``index``'s accumulated gradients are its parameters' ``grad`` and
+        ``main_grad`` (zeros where nothing accumulated this step); ``disk`` reads them into the staging
+        buffer, so one unit's gradients are on the host at a time."""
+        u = self.units[index]
+        if u.ghost is not None:
+            data = u.ghost
+        else:
+            assert self._staging is not None
+            data = self._staging[:u.gbytes]
+            if u.has_grad:
+                data = self._read(u.gpath, u.gbytes, f"unit {index}'s gradients")
+            else:
+                data.zero_()
+        with_grad = [p for p in u.params if p.goffset >= 0]
+        for p in with_grad:
+            g = view(data, p.goffset, p.grad_dtype, p.shape)
+            p.param.grad, p.param.main_grad = g, g
+        try:
+            yield [p.param for p in with_grad]
+        finally:
+            for p in with_grad:
+                p.param.grad = None
+            self._point_off_device(u)
+
+    @contextlib.contextmanager
+    def weights_in(self, index: int) -> Iterator[list[torch.nn.Parameter]]:
+        """Inside the block, unit ``index``'s parameters hold its weights on the host (``disk``: read into the
+        staging buffer); what the block writes into them is stored back at its end."""
+        u = self.units[index]
+        if u.host is not None:  # the parameters are views of the host copy already
+            yield [p.param for p in u.params]
+            return
+        data = self._read(u.path, u.nbytes, f"unit {index}'s weights")
+        for p in u.params:
+            p.param.data = view(data, p.offset, p.dtype, p.shape)
+        try:
+            yield [p.param for p in u.params]
+            self._write(data, u.path, f"unit {index}'s weights")
+        finally:
+            self._point_off_device(u)
 
     def check_released(self) -> None:
         """Fail if any unit's weights or gradients are still in a device slot."""
@@ -459,22 +455,6 @@ class ModelStateStreamer:
             self._handles.pop().remove()
         if self.run_dir is not None:
             self.run_dir.remove()
-
-
-def _tensors(out: Any) -> list:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
-
-
-def _add_bytes(u: _Unit, acc: torch.Tensor, add: torch.Tensor) -> None:
-    for p in u.params:
-        if p.goffset >= 0:
-            _view(acc, p.goffset, p.grad_dtype, p.shape).add_(_view(add, p.goffset, p.grad_dtype, p.shape))
 
 
 class _SlotViewPacker:

@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional, Protocol
 
 import torch
 
@@ -58,6 +58,7 @@ class OffDeviceSpec:
     pool: HostPool  # staging buffers (the host pool's bound)
     disk_dir: Optional[str] = None  # root of the run directory for "disk"
     chunk_numel: int = 1 << 22  # elements per chunk (rounded up to a multiple of 4096)
+    source: Any = None  # a ParamSource: parameters whose weights and gradients the step brings in itself
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -75,6 +76,17 @@ class OffDeviceSpec:
     def buffers(self) -> int:
         """Staging buffers one chunk needs: the denominator, and the two moments for ``disk``."""
         return 3 if self.target == "disk" else 1
+
+
+class ParamSource(Protocol):
+    """Parameters kept off the host between uses (model-state offload to disk): the step brings in one
+    group's gradients (pass 1) or weights (pass 2) at a time, so the host holds one group's, never all."""
+
+    def param_groups(self) -> list[list[torch.nn.Parameter]]: ...
+
+    def grads_in(self, index: int) -> ContextManager[list[torch.nn.Parameter]]: ...
+
+    def weights_in(self, index: int) -> ContextManager[list[torch.nn.Parameter]]: ...
 
 
 class OffDeviceAdamW(torch.optim.Optimizer):
@@ -97,6 +109,8 @@ class OffDeviceAdamW(torch.optim.Optimizer):
             raise ValueError(f"{FLAG} {spec.target}: the staging pool has {free} free of {spec.pool.capacity} "
                              f"bytes; one chunk of {spec.chunk} elements needs {need} bytes ({spec.buffers} "
                              f"buffers): raise --longctx-offload-host-pool-bytes to at least {need + spec.pool.used}")
+        if spec.source is not None and spec.target != "disk":
+            raise ValueError(f"{FLAG}: parameters brought in by the step need the disk target")
         for p in self._params():
             if p.device.type != "cpu" or p.dtype != torch.float32:
                 raise ValueError(f"{FLAG}: the off-device AdamW updates float32 host tensors, got "
@@ -155,11 +169,12 @@ class OffDeviceAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []  # (group, param, new step count) of every parameter with a gradient
+        sourced = self._sourced()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None and id(p) not in sourced:  # a sourced gradient is brought in by the step
                     continue
-                if p.grad.is_sparse:
+                if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{FLAG}: the off-device AdamW does not take sparse gradients")
                 state = self.state[p]
                 if "step" not in state:
@@ -181,24 +196,49 @@ class OffDeviceAdamW(torch.optim.Optimizer):
                 self._disk_step(work, bufs)
         return loss
 
+    def _sourced(self) -> set:
+        source = self.spec.source
+        return set() if source is None else {id(p) for ps in source.param_groups() for p in ps}
+
+    def _blocks(self, weights: bool) -> Iterator[list[torch.Tensor]]:
+        """This optimizer's parameters a block at a time: each source group with its gradients (or weights)
+        brought in for the block, then the parameters no source holds."""
+        mine = {id(p) for p in self._params()}
+        source = self.spec.source
+        if source is not None:
+            for i, ps in enumerate(source.param_groups()):
+                ps = [p for p in ps if id(p) in mine]
+                if ps:
+                    with (source.weights_in(i) if weights else source.grads_in(i)):
+                        yield ps
+        sourced = self._sourced()
+        rest = [p for p in self._params() if id(p) not in sourced]
+        if rest:
+            yield rest
+
     def _disk_step(self, work: list, bufs: list[torch.Tensor]) -> None:
         m_buf, v_buf, denom = bufs
         stepped = {id(p): (group, step) for group, p, step in work}
         old = self.path if os.path.exists(self.path) else None
         with self._writer() as write:  # pass 1: new moments into the temporary file, committed at exit
-            for p in self._params():
-                base = self._offsets[id(p)]
+            for block in self._blocks(weights=False):
+                for p in block:
+                    base = self._offsets[id(p)]
+                    for lo, hi in self._chunks(p):
+                        m, v = self._read(old, p, lo, hi, m_buf, v_buf)
+                        if id(p) in stepped and p.grad is not None:
+                            _moments(stepped[id(p)][0], p.grad.reshape(-1)[lo:hi], m, v)
+                        write(m, base + lo * _F32)
+                        write(v, base + (p.numel() + lo) * _F32)
+        for block in self._blocks(weights=True):  # pass 2: the parameters from the committed moments
+            for p in block:
+                if id(p) not in stepped:
+                    continue
+                group, step = stepped[id(p)]
                 for lo, hi in self._chunks(p):
-                    m, v = self._read(old, p, lo, hi, m_buf, v_buf)
-                    if id(p) in stepped:
-                        _moments(stepped[id(p)][0], p.grad.reshape(-1)[lo:hi], m, v)
-                    write(m, base + lo * _F32)
-                    write(v, base + (p.numel() + lo) * _F32)
-        for group, p, step in work:  # pass 2: the parameters from the committed moments
-            for lo, hi in self._chunks(p):
-                m, v = self._read(self.path, p, lo, hi, m_buf, v_buf)
-                _update(group, step, p.view(-1)[lo:hi], m, v, denom[:hi - lo])
-            self.state[p]["step"].fill_(step)
+                    m, v = self._read(self.path, p, lo, hi, m_buf, v_buf)
+                    _update(group, step, p.view(-1)[lo:hi], m, v, denom[:hi - lo])
+                self.state[p]["step"].fill_(step)
 
     def _read(self, path: Optional[str], p: torch.Tensor, lo: int, hi: int, m_buf: torch.Tensor,
               v_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -217,9 +217,10 @@ def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]
 
 
 def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: LongContextConfig) -> Callable[[Any], Any]:
-    """For ``disk``: the optimizer's step and Megatron's checkpoint save and load see the weights and
-    gradients read back from the files (:func:`_materialized`), the updated weights are written back, and
-    Adam's moments live on disk too (:mod:`megatron_longctx.megatron.offdevice_optimizer`).  ``host``:
+    """For ``disk``: Adam's moments live on disk too (:mod:`megatron_longctx.megatron.offdevice_optimizer`),
+    and the step brings one unit at a time onto the host: its gradients for the gradient norm and for the
+    moments, then its weights for the update, written back (:func:`_streamed_clip`); Megatron's checkpoint
+    save and load see every unit's weights and gradients read back (:func:`_materialized`).  ``host``:
     nothing to add (the parameters and ``main_grad`` are views of the host copies, stepped in place)."""
     if streamer.opts.target != "disk":
         return lambda optimizer: optimizer
@@ -233,13 +234,93 @@ def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: Lo
         installed.patches.append(patch(training, name, _around(getattr(training, name), streamer), reason=why).undo)
 
     def wire(optimizer: Any) -> Any:
-        spec = OffDeviceSpec(target="disk", pool=streamer.opts.pool, disk_dir=streamer.opts.disk_dir)
+        wrappers = offdevice_optimizer.megatron_optimizers(optimizer)
+        for wrapper in wrappers:
+            if type(wrapper).__name__ != "FP32Optimizer":  # the checks before start name the flags
+                raise ValueError(f"{FLAG} disk steps float32 parameters; this run's optimizer is "
+                                 f"{type(wrapper).__name__}: drop --bf16/--fp16 or use {FLAG} host")
+        source = _ClippedSource(streamer)
+        spec = OffDeviceSpec(target="disk", pool=streamer.opts.pool, disk_dir=streamer.opts.disk_dir, source=source)
         moved = offdevice_optimizer.install(optimizer, spec)
         installed.patches.append(moved.remove)
-        installed.patches.append(patch(optimizer, "step", _around(optimizer.step, streamer), reason=why).undo)
+        installed.patches.extend(_streamed_clipping(wrappers, source))
         return optimizer
 
     return wire
+
+
+class _ClippedSource:
+    """The streamer as the optimizer's :class:`~megatron_longctx.memory.offdevice_optimizer.ParamSource`,
+    with Megatron's clipping applied to each unit's gradients as the step brings them in."""
+
+    def __init__(self, streamer: ModelStateStreamer) -> None:
+        self.streamer = streamer
+        self.ids = {id(p) for ps in streamer.param_groups() for p in ps}
+        self.clip: Optional[Callable[[list], None]] = None
+
+    def param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return self.streamer.param_groups()
+
+    @contextlib.contextmanager
+    def grads_in(self, index: int) -> Any:
+        with self.streamer.grads_in(index) as params:
+            if self.clip is not None and params:
+                self.clip(params)
+            yield params
+
+    def weights_in(self, index: int) -> Any:
+        return self.streamer.weights_in(index)
+
+
+def _streamed_clipping(wrappers: list, source: _ClippedSource) -> list[Callable[[], None]]:
+    """Megatron's gradient norm and clipping with one unit's gradients on the host at a time.
+
+    Each wrapper's gradients for the norm (``get_grads_for_grad_norm``, ``get_main_grads_for_grad_norm`` on
+    older megatron-core) become one one-element tensor per parameter holding that gradient's norm, read unit
+    by unit: Megatron's ``get_grad_norm_fp32`` over them is the norm over the gradients (the per-tensor norms
+    are where its own reduction starts).  Megatron's ``clip_grad_by_total_norm_fp32``, called by the wrapper
+    or by a ``ChainedOptimizer`` with the total norm, is applied to each unit's gradients as the step reads
+    them (the same factor on the same values)."""
+    import megatron.core.optimizer.optimizer as megatron_optimizer
+
+    undo: list[Callable[[], None]] = []
+    for wrapper in wrappers:
+        name = "get_grads_for_grad_norm" if hasattr(wrapper, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
+        original = getattr(wrapper, name)
+
+        def grads_for_norm(*args: Any, wrapper: Any = wrapper, original: Any = original,
+                           **kwargs: Any) -> list[torch.Tensor]:
+            kept = {id(g) for g in original(*args, **kwargs)}  # parameters not streamed: their gradients
+            norms: dict[int, torch.Tensor] = {}
+            for i, params in enumerate(source.param_groups()):
+                with source.streamer.grads_in(i):
+                    owner = {id(p.grad): p for p in params if p.grad is not None}
+                    for g in original(*args, **kwargs):  # Megatron's filter: not shared, no TP duplicate
+                        norms[id(owner[id(g)])] = torch.norm(g).reshape(1)
+            out = []  # in Megatron's parameter order, so its reduction adds in the same order
+            for p in wrapper.get_parameters():
+                if id(p) in norms:
+                    out.append(norms[id(p)])
+                elif p.grad is not None and id(p.grad) in kept:
+                    out.append(p.grad)
+            return out
+
+        undo.append(patch(wrapper, name, grads_for_norm, reason=f"{FLAG} disk: gradient norms unit by unit").undo)
+
+    clip = megatron_optimizer.clip_grad_by_total_norm_fp32
+
+    def clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
+                                     use_decoupled_grad: bool = False) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        rest = [p for p in params if id(p) not in source.ids]
+        if rest:
+            clip(rest, max_norm, total_norm, use_decoupled_grad)
+        if len(rest) < len(params):  # the step applies it as it reads each unit
+            source.clip = lambda ps: clip(ps, max_norm, total_norm, use_decoupled_grad)
+
+    undo.append(patch(megatron_optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32,
+                      reason=f"{FLAG} disk: clipping applied unit by unit").undo)
+    return undo
 
 
 def _around(fn: Callable[..., Any], streamer: ModelStateStreamer) -> Callable[..., Any]:
