@@ -27,6 +27,9 @@ Sections (each with its own time budget; an error in one is recorded and the nex
   the tiled replay's ``main_grad`` against plain full recompute's;
 * ``residual_grad`` — the residual-gradient offload against the same tiled replay without it: gradients,
   rows streamed, peak, and the share of the copy time hidden behind compute;
+* ``model_states`` — a Llama-shaped GPTModel trained plain and with its weights and gradients streamed layer
+  by layer through device slots from pinned host memory (``--longctx-model-state-offload host``): gradients,
+  the peak against the slots plus the plain step's non-state memory, and the share of the copies hidden;
 * ``max_seq`` — a numerics check of every memory feature against none, then the longest sequence one GPU
   trains for a Llama-3-8B-shaped stack of two layers with every feature on.
 
@@ -64,6 +67,7 @@ from gpu_check_common import (CPU_SIZES, ERROR, GPU_SIZES, INCOMPLETE, OK, UNAVA
 from gpu_check_packed import section_packed  # noqa: E402
 from gpu_check_gpt import section_gpt_step  # noqa: E402
 from gpu_check_memory import section_max_seq, section_offload, section_tiled_replay  # noqa: E402
+from gpu_check_model_states import section_model_states  # noqa: E402
 from gpu_check_replay import section_fused_replay, section_residual_grad  # noqa: E402
 
 SCHEMA = "gpu_check/2"
@@ -123,12 +127,13 @@ SECTIONS: dict[str, tuple[Callable, float]] = {
     "windows": (section_windows, 25),
     "packed": (section_packed, 50),
     "offload": (section_offload, 40),
-    "offload_one_connection": (section_offload_one_connection, 40),
+    "offload_one_connection": (section_offload_one_connection, 30),
     "gpt_step": (section_gpt_step, 25),
     "tiled_replay": (section_tiled_replay, 30),
     "fused_replay": (section_fused_replay, 15),
     "residual_grad": (section_residual_grad, 25),
-    "max_seq": (section_max_seq, 80),
+    "model_states": (section_model_states, 25),
+    "max_seq": (section_max_seq, 65),
 }
 
 
@@ -192,6 +197,12 @@ def _summary(name: str, r: dict) -> str:
         if "peak_reduction" in r:
             return (f"peak {r['plain_peak_gib']:.1f} -> {r['offload_peak_gib']:.1f} GiB, time "
                     f"{r['plain_s']:.2f} -> {r['offload_s']:.2f} s, hidden {r['hidden_share']:.0%}")
+        return f"grads max rel err {r['grad_max_rel_err']:.1e}; {r.get('note', '')}"
+    if name == "model_states":
+        if "streamed_peak_gib" in r:
+            return (f"grads max rel err {r['grad_max_rel_err']:.1e}; peak {r['plain_peak_gib']:.2f} -> "
+                    f"{r['streamed_peak_gib']:.2f} GiB (bound {r['bound_gib']:.2f}); time {r['plain_s']:.3f} -> "
+                    f"{r['streamed_s']:.3f} s, hidden {r['hidden_share']:.0%}")
         return f"grads max rel err {r['grad_max_rel_err']:.1e}; {r.get('note', '')}"
     if name == "gpt_step":
         return f"loss rel err {r['step1']['loss_rel_err']:.1e}, grads {r['step1']['grad_max_rel_err']:.1e}"

@@ -1,7 +1,8 @@
 """Model-state offload through the main job (``megatron-longctx run``): at CP=2 ring with Megatron's full
 recompute and checkpoint offload on, three steps with ``--longctx-model-state-offload host`` and ``disk``
 give the losses and gradient norms of the same run without it (float32), so DDP's buffers, its gradient
-reduction over the context-parallel ranks and the optimizer's update all see the streamed states.  Step 1
+reduction over the context-parallel ranks and the optimizer's update all see the streamed states; with
+``disk`` the main job's resume check reloads the checkpoint into the files and reproduces steps 2 and 3.  Step 1
 runs at learning rate 0 (warm-up), so steps 2 and 3 are what show the updated off-device weights.  Rank 0's
 "memory features:" line names the model states and where they went.
 """
@@ -11,7 +12,7 @@ import torch
 
 from tests.job import main_job
 
-ARGS = ["--num-layers", "2", "--normalization", "RMSNorm", "--swiglu", "--train-iters", "3", "--no-resume-check",
+ARGS = ["--num-layers", "2", "--normalization", "RMSNorm", "--swiglu", "--train-iters", "3",
         "--longctx-offload-min-bytes", "0", "--no-baseline",
         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
         "--longctx-offload-policy", "checkpoint", "--longctx-offload-target", "disk"]
@@ -25,7 +26,7 @@ def root(tmp_path_factory):
 
 def _train(root, name, *extra):
     out = str(root / name)
-    proc = main_job.run(out, str(root / "data"), *ARGS, *extra)
+    proc = main_job.run(out, str(root / "data"), *ARGS, *(extra or ("--no-resume-check",)))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [r for r in main_job.metrics(out) if r["run"] == "plugin-cp2"]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -39,7 +40,10 @@ def reference(root):
 
 @pytest.mark.parametrize("target", ["host", "disk"])
 def test_model_state_offload_equals_the_run_without(root, reference, target):
-    stdout, rows = _train(root, target, "--longctx-model-state-offload", target)
+    resume = ["--resume-check-steps", "2"] if target == "disk" else ["--no-resume-check"]
+    stdout, rows = _train(root, target, "--longctx-model-state-offload", target, *resume)
+    if target == "disk":  # checkpoints written from and loaded into the files: resume equals the straight run
+        assert "resume from iteration 1: reproduces steps [2, 3] bit for bit" in stdout, stdout[-3000:]
     described = next(line for line in stdout.splitlines() if "memory features:" in line)
     assert "model states: weights and gradients streamed per layer through 2 slots of" in described, described
     assert f"off-device copy in {target}" in described and "offload: checkpoint to disk" in described, described

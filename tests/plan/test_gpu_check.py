@@ -131,6 +131,12 @@ def test_dry_run_on_cpu_runs_every_section(tmp_path):
     else:  # the layers hand the streamed gradient on; gradients as without streaming
         assert residual["status"] == "ok" and residual["problems"] == [], residual["problems"]
         assert residual["streams_handed_per_step"] > 0 and residual["grad_max_rel_err"] < 1e-4
+    states = sections["model_states"]
+    if states["status"] == "unavailable":
+        assert "megatron-core" in states["reason"]
+    else:  # weights and gradients streamed through the slots: the plain step's gradients, bytes moved
+        assert states["status"] == "ok" and states["grad_max_rel_err"] <= 1e-6 and not states["grad_keys_differ"]
+        assert states["copied_bytes_per_step"] > 0 and 0 < states["peak_resident_bytes"] <= states["slots_bytes"]
     max_seq = sections["max_seq"]
     if max_seq["status"] == "unavailable":
         assert "megatron-core" in max_seq["reason"]

@@ -1,0 +1,114 @@
+"""gpu_check section on model-state offload: a Llama-shaped GPTModel trained plain and with its weights
+and gradients streamed layer by layer through device slots from pinned host memory
+(``--longctx-model-state-offload host``): equal gradients, the device's peak within the slots plus what the
+plain step holds besides its weights and gradients, and the share of the copy time hidden behind compute.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import torch
+
+from gpu_check_common import Budget, BudgetSkip, Sizes, _sync
+from gpu_check_gpt import batch, build_gpt, compare, dtype_for, loss_and_grads, require_megatron, single_rank_megatron
+
+_MARGIN = 64 << 20  # allocator rounding and the cuBLAS workspace
+
+
+def _units(model) -> list[tuple[str, Any]]:
+    layers = [(f"decoder.layers.{i}.", layer) for i, layer in enumerate(model.decoder.layers)]
+    return [("embedding.", model.embedding), *layers, ("output_layer.", model.output_layer)]
+
+
+def _streamed_step(model, streamer, units, tokens, pos, device) -> dict:
+    """One step with the streamer in place: the loss and every parameter's gradient (the streamed ones from
+    their off-device accumulators), the device's peak and the step's seconds."""
+    streamer.zero_grad()
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    loss = model(tokens, pos, None, labels=torch.roll(tokens, -1, dims=1)).float().mean()
+    loss.backward()
+    streamer.finish_backward()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    streamer.check_released()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    for i, (prefix, unit) in enumerate(units):
+        for (name, _), g in zip(unit.named_parameters(), streamer.unit_grads(i)):
+            if g is not None:
+                grads[prefix + name] = g.clone()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"seconds": seconds, "peak_bytes": peak, "result": (loss.detach(), grads)}
+
+
+def section_model_states(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
+    require_megatron()
+    from megatron_longctx.memory.host_pool import HostPool
+    from megatron_longctx.memory.model_states import ModelStateStreamer, StreamOptions
+
+    dtype = dtype_for(device)
+    shape, seq = sizes.offload_model, max(sizes.offload_seq // 4, 64)
+    out: dict[str, Any] = {"shape": shape, "seq": seq, "dtype": str(dtype), "target": "host"}
+    with single_rank_megatron(device):
+        tokens, pos = batch(shape, seq, device)
+        model, _ = build_gpt(shape, seq, dtype, {})
+        model = model.to(device)
+        states = sum(2 * p.numel() * p.element_size() for p in model.parameters())  # weights and gradients
+        loss_and_grads(model, tokens, pos)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        plain = loss_and_grads(model, tokens, pos)
+        _sync(device)
+        plain_s = time.perf_counter() - t0
+        plain_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        del model
+        gc.collect()
+        if budget.left() <= 0:
+            raise BudgetSkip("time budget (the plain step took it all)")
+
+        model, _ = build_gpt(shape, seq, dtype, {})
+        model = model.to(device)
+        units = _units(model)
+        opts = StreamOptions(target="host", device=device, pool=HostPool(64 << 30, pin=device.type == "cuda"),
+                             grad_dtype=dtype)
+        streamer = ModelStateStreamer([u for _, u in units], opts)
+        gc.collect()
+        try:
+            _streamed_step(model, streamer, units, tokens, pos, device)  # warm-up
+            loads = streamer.loads
+            run = _streamed_step(model, streamer, units, tokens, pos, device)
+            # bytes over the host link in one step: every weight load in, each unit's gradients out once
+            moved = (streamer.loads - loads) * streamer.slot_bytes + len(streamer.units) * streamer.gslot_bytes
+        finally:
+            streamer.remove()
+    out.update(compare(plain, run["result"]))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the same kernels on the same weights
+    grads_ok = out["grad_max_rel_err"] <= tol and out["loss_rel_err"] <= tol and not out["grad_keys_differ"]
+    out.update(plain_s=plain_s, streamed_s=run["seconds"], slots_bytes=streamer.capacity,
+               peak_resident_bytes=streamer.peak_resident, states_bytes=states, copied_bytes_per_step=moved)
+    if device.type == "cuda":
+        pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        dev.copy_(pinned, non_blocking=True)
+        _sync(device)
+        bandwidth = (1 << 30) / (time.perf_counter() - t0)
+        copy_s = moved / bandwidth
+        extra = run["seconds"] - plain_s
+        others = plain_peak - states  # what the plain step holds besides its weights and gradients
+        bound = streamer.capacity + others + streamer.slot_bytes + _MARGIN
+        out.update(plain_peak_gib=plain_peak / 2**30, streamed_peak_gib=run["peak_bytes"] / 2**30,
+                   bound_gib=bound / 2**30, host_gbps=bandwidth / 1e9, copy_s_if_serial=copy_s,
+                   hidden_share=1 - max(extra, 0.0) / copy_s if copy_s > 0 else None)
+        out["status"] = "ok" if grads_ok and run["peak_bytes"] <= bound else "failed"
+    else:
+        out["status"] = "ok" if grads_ok and moved > 0 else "failed"
+        out["note"] = "CPU: the slots are host tensors; no device peak or copy overlap here"
+    return out
