@@ -160,3 +160,26 @@ def test_patch_016_applies(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pretrain_gpt.py" in proc.stdout and "gpt_builders.py" in proc.stdout
+
+
+@pytest.mark.parametrize("target", ["host", "disk"])
+def test_model_state_offload_equals_cp1(script, cp1_losses, target, tmp_path):
+    """Weights and gradients streamed layer by layer (``disk``: with the optimizer's moments on disk and the
+    step one unit at a time) train as Megatron's CP=1 does, through the unmodified script."""
+    where = ("--longctx-offload-disk-dir", str(tmp_path)) if target == "disk" else ()
+    run = run_script(script, [*TINY_GPT, *ITERS, "--context-parallel-size", "2",
+                              "--longctx-model-state-offload", target, *where]).check()
+    print(f"model states {target}: {run.wall_s:.1f} s")
+    assert "model states: weights and gradients streamed per layer" in run.output
+    assert_same_losses(run.lm_losses(), cp1_losses("learned"))
+
+
+def test_model_state_offload_under_data_parallel(script):
+    """Two data-parallel ranks: each unit's gradients are summed over the ranks as they leave the slot."""
+    batch2 = [*TINY_GPT[:TINY_GPT.index("--global-batch-size")], "--global-batch-size", "2",
+              *TINY_GPT[TINY_GPT.index("--global-batch-size") + 2:]]
+    one_rank = run_script(script, [*batch2, *ITERS], nproc=1).check()
+    run = run_script(script, [*batch2, *ITERS, "--longctx-model-state-offload", "host"], nproc=2).check()
+    print(f"model states under DP=2: {run.wall_s:.1f} s")
+    assert "model states: weights and gradients streamed per layer" in run.output
+    assert_same_losses(run.lm_losses(), one_rank.lm_losses())

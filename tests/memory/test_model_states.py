@@ -191,6 +191,18 @@ def test_disk_full_while_gradients_are_written(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------ through Megatron's GPTModel (one rank)
+def _same_losses(ref, model, b: dict, tokens: torch.Tensor) -> None:
+    """A micro-batch's forward and backward through ``ref`` and the streamed ``model``: the same loss."""
+    losses = []
+    for m in (ref, model):
+        torch.manual_seed(7)
+        per_token = m(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        loss = (per_token.float() * b["loss_mask"]).sum() / tokens
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], rtol=0, atol=0)
+
+
 def _gpt_body(recompute: bool, target: str, disk_dir: str) -> None:
     import warnings
 
@@ -220,15 +232,7 @@ def _gpt_body(recompute: bool, target: str, disk_dir: str) -> None:
         peak = 0
         for step in range(2):  # two micro-batches, accumulated
             b = batch(seed=step)
-            for m in (ref, model):
-                torch.manual_seed(7)
-                per_token = m(b["tokens"], b["position_ids"], None, labels=b["labels"])
-                loss = (per_token.float() * b["loss_mask"]).sum() / b["loss_mask"].sum()
-                loss.backward()
-                if m is ref:
-                    want = loss.detach()
-                else:
-                    assert_close(loss.detach(), want, rtol=0, atol=0)
+            _same_losses(ref, model, b, b["loss_mask"].sum())
             streamer.finish_backward()
             streamer.check_released()
             peak = max(peak, streamer.peak_resident)
@@ -333,14 +337,7 @@ def _cp_body(algorithm: str, recompute: bool) -> None:
             streamer.sync_grads = step == 1
             full = batch(seed=step)
             local = get_batch_on_this_cp_rank(dict(full), cp_group)
-            for m in (ref, model):
-                per_token = m(local["tokens"], local["position_ids"], None, labels=local["labels"])
-                loss = (per_token.float() * local["loss_mask"]).sum() / full["loss_mask"].sum()
-                loss.backward()
-                if m is ref:
-                    want = loss.detach()
-                else:
-                    assert_close(loss.detach(), want, rtol=0, atol=0)
+            _same_losses(ref, model, local, full["loss_mask"].sum())
             streamer.finish_backward()
             streamer.check_released()
         ref_units = [ref.embedding, *ref.decoder.layers, ref.output_layer]
