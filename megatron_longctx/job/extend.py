@@ -13,9 +13,9 @@ stopped.  With ``--plan-model``/``--plan-gpus`` each stage takes the planner's l
 (TP, CP, recompute, offload, tiles: :func:`megatron_longctx.plan.recommend.recommend`, the flags of
 :func:`megatron_longctx.plan.flags.all_flags`; the user's flags after them win); otherwise the
 context-parallel size of a stage is the number of local ranks (``--nproc-per-node``) unless
-``--context-parallel-size`` is given.  A stage ``LENGTH:STEPS@SHORT:FRACTION`` trains ``FRACTION`` of its steps, spread evenly, on ``SHORT``-token
-batches (``run --mix-short``, :mod:`megatron_longctx.job.mix`).  ``OUTPUT_DIR/extend.json`` records each
-stage's length, steps, mix, RoPE base, layout and state.
+``--context-parallel-size`` is given.  A stage ``LENGTH:STEPS@SHORT:FRACTION`` trains ``FRACTION`` of its
+steps, spread evenly, on ``SHORT``-token batches (``run --mix-short``, :mod:`megatron_longctx.job.mix`).
+``OUTPUT_DIR/extend.json`` records each stage's length, steps, mix, RoPE base, layout and state.
 """
 
 from __future__ import annotations

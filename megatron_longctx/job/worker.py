@@ -10,8 +10,9 @@ variable :data:`JOB_ENV`.  Hooks are put around Megatron's own functions for the
 run, and nothing else is changed:
 
 * ``train_step``: each finished step's loss (Megatron's ``lm loss``, reduced over ``dp_cp``), grad norm,
-  learning rate, the sequence length its batches had (``--mix-short``: per step), time and memory per rank (CUDA peak; on CPU the RSS added since start, read at the end
-  of the step) go to ``metrics.jsonl`` and the progress bar;
+  learning rate, the sequence length its batches had (``--mix-short``: per step), time and memory per rank
+  (CUDA peak; on CPU the RSS added since start, read at the end of the step) go to ``metrics.jsonl`` and
+  the progress bar;
 * ``update_pg_timeout``: the after-init timeout reaches every process group (the plugin's too);
 * ``save_checkpoint``: once Megatron has written an iteration folder and its tracker file, the
   integrity manifest of that folder is written (:mod:`megatron_longctx.job.checkpoint_guard`);
@@ -151,6 +152,8 @@ EXIT_STALLED = 3
 
 
 def _wrap_train_step(original: Callable, log: StepLog, watchdog: StallWatchdog) -> Callable:
+    from megatron_longctx.job import providers
+
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
@@ -159,8 +162,6 @@ def _wrap_train_step(original: Callable, log: StepLog, watchdog: StallWatchdog) 
         watchdog.beat(None)
         optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
         lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses
-        from megatron_longctx.job import providers
-
         providers.batch_lengths.clear()
         start = time.perf_counter()
         out = original(*args, **kwargs)
@@ -176,8 +177,9 @@ def _wrap_train_step(original: Callable, log: StepLog, watchdog: StallWatchdog) 
             loss = float(value.item() if isinstance(value, torch.Tensor) else value)
             step = margs.curr_iteration + 1
             length = lengths.pop() if lengths else margs.seq_length  # what the step read (--mix-short: per step)
+            model = args[2] if len(args) > 2 else kwargs.get("model")
             log.add(step, loss, None if grad_norm is None else float(grad_norm), lr, seconds,
-                    (margs.global_batch_size, length), _offload_stats(args[2] if len(args) > 2 else kwargs.get("model")))
+                    (margs.global_batch_size, length), _offload_stats(model))
         return out
 
     return train_step

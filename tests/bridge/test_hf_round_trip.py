@@ -38,7 +38,8 @@ def _write_tokenizer(path: str) -> None:
     vocab = {f"t{i}": i for i in range(VOCAB)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1", eos_token="t2")
+    tokenizer.save_pretrained(path)
 
 
 def _provider(hf_dir: str, load_weights: bool):

@@ -88,7 +88,8 @@ def _recorded_run(name: str, tmp_path) -> list[str]:
 
 
 def test_cpu_1m_flags_parse_with_megatron_and_the_main_job(tmp_path):
-    training = pytest.importorskip("megatron.training.arguments", reason="megatron-core < 0.19 ships no megatron.training")
+    training = pytest.importorskip("megatron.training.arguments",
+                                   reason="megatron-core < 0.19 ships no megatron.training")
     from megatron_longctx.job import command_line, pretrain
     from megatron_longctx.megatron.arguments import add_longctx_args, config_from_args
 
