@@ -13,51 +13,70 @@ stopped.  With ``--plan-model``/``--plan-gpus`` each stage takes the planner's l
 (TP, CP, recompute, offload, tiles: :func:`megatron_longctx.plan.recommend.recommend`, the flags of
 :func:`megatron_longctx.plan.flags.all_flags`; the user's flags after them win); otherwise the
 context-parallel size of a stage is the number of local ranks (``--nproc-per-node``) unless
-``--context-parallel-size`` is given.  ``OUTPUT_DIR/extend.json`` records each stage's length, steps, RoPE base, layout and state.
+``--context-parallel-size`` is given.  A stage ``LENGTH:STEPS@SHORT:FRACTION`` trains ``FRACTION`` of its
+steps, spread evenly, on ``SHORT``-token batches (``run --mix-short``, :mod:`megatron_longctx.job.mix`).
+``OUTPUT_DIR/extend.json`` records each stage's length, steps, mix, RoPE base, layout and state.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from megatron_longctx.job import checkpoint_guard as guard
+from megatron_longctx.job import mix as mix_mod
 
 EXIT_BAD_ARGS = 2
-_UNITS = {"": 1, "K": 1024, "M": 1024 ** 2}
+STAGES_EXAMPLE = "8K:200,32K:100,128K:50"
+parse_length = mix_mod.parse_length
 
 
-def parse_length(text: str) -> int:
-    match = re.fullmatch(r"(\d+)([KkMm]?)", text.strip())
-    if not match:
-        raise ValueError(text)
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+class Stage(NamedTuple):
+    """One stage: ``steps`` steps at ``length`` tokens, ``mix`` of them on short sequences (``None``: none)."""
+
+    length: int
+    steps: int
+    mix: Optional[mix_mod.Mix] = None
 
 
-def parse_stages(text: str) -> list[tuple[int, int]]:
-    """``"8K:200,32K:100"`` -> ``[(8192, 200), (32768, 100)]``; ``ValueError`` naming ``--stages`` and the fix."""
-    stages = []
-    for item in text.split(","):
-        length, sep, steps = item.partition(":")
+def _parse_stage(text: str, item: str) -> Stage:
+    head, at, tail = item.partition("@")
+    length, sep, steps = head.partition(":")
+    try:
+        if not sep:
+            raise ValueError(item)
+        stage = Stage(parse_length(length), int(steps))
+    except ValueError:
+        raise ValueError(f"--stages {text!r}: {item!r} is not LENGTH:STEPS[@SHORT:FRACTION]; write e.g. --stages "
+                         f"{STAGES_EXAMPLE}, or 1M:100@4K:0.5 for half the steps on 4K-token batches") from None
+    if stage.length < 1 or stage.steps < 1:
+        raise ValueError(f"--stages {text!r}: {item!r} needs a length and steps >= 1")
+    if at:
         try:
-            if not sep:
-                raise ValueError(item)
-            stage = (parse_length(length), int(steps))
-        except ValueError:
-            raise ValueError(f"--stages {text!r}: {item!r} is not LENGTH:STEPS; write e.g. --stages "
-                             "8K:200,32K:100,128K:50") from None
-        if stage[0] < 1 or stage[1] < 1:
-            raise ValueError(f"--stages {text!r}: {item!r} needs a length and steps >= 1")
-        stages.append(stage)
-    for (a, _), (b, _) in zip(stages, stages[1:]):
-        if b < a:
-            raise ValueError(f"--stages {text!r}: the length shrinks from {a} to {b}; give the stages in "
-                             "increasing length")
+            mix = mix_mod.parse(tail, flag="--stages")
+        except ValueError as exc:
+            raise ValueError(f"--stages {text!r}: after '@' in {item!r}, {str(exc)[len('--stages '):]}") from None
+        if mix.short >= stage.length:
+            raise ValueError(f"--stages {text!r}: {item!r} mixes in {mix.short}-token batches, not shorter than the "
+                             f"stage's {stage.length}; give a shorter one, e.g. {head}@{max(1, stage.length // 8)}:"
+                             f"{mix.fraction:g}")
+        stage = stage._replace(mix=mix)
+    return stage
+
+
+def parse_stages(text: str) -> list[Stage]:
+    """``"8K:200,1M:100@4K:0.5"`` -> ``[Stage(8192, 200), Stage(1048576, 100, Mix(4096, 0.5))]``; ``ValueError``
+    naming ``--stages`` and the fix."""
+    stages = [_parse_stage(text, item) for item in text.split(",")]
+    for a, b in zip(stages, stages[1:]):
+        if b.length < a.length:
+            raise ValueError(f"--stages {text!r}: the length shrinks from {a.length} to {b.length}; give the stages "
+                             "in increasing length")
     return stages
 
 
@@ -65,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-longctx extend", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="Any other flag is Megatron-LM's or a --longctx-* flag, given to every stage.")
-    p.add_argument("--stages", required=True, help="LENGTH:STEPS,... in increasing length (K = 1024, M = 1024^2)")
+    p.add_argument("--stages", required=True, help="LENGTH:STEPS,... in increasing length (K = 1024, M = 1024^2); "
+                   "LENGTH:STEPS@SHORT:FRACTION trains FRACTION of the stage's steps on SHORT-token batches")
     p.add_argument("--rotary-base", default=None, help="one RoPE base for all stages, or one per stage (a,b,c)")
     p.add_argument("--load", default=None, help="the checkpoint stage 1 starts from (weights only; never written)")
     p.add_argument("--output-dir", default="runs/extend", help="one folder per stage and extend.json")
@@ -119,10 +139,10 @@ def stage_state(save: str, steps: int) -> tuple[str, Optional[int]]:
     return ("done", None) if tracked >= steps else ("resume", tracked)
 
 
-def stage_argv(own: argparse.Namespace, megatron_argv: list[str], index: int, stages: list[tuple[int, int]],
+def stage_argv(own: argparse.Namespace, megatron_argv: list[str], index: int, stages: list[Stage],
                base: Optional[str]) -> tuple[list[str], dict[str, Any]]:
     """``megatron-longctx run``'s arguments for stage ``index`` and its record for extend.json."""
-    length, steps = stages[index]
+    length, steps, mix = stages[index]
     out = stage_dir(own.output_dir, index + 1, length)
     save = os.path.join(out, "checkpoint")
     planned, layout = ([], None) if own.plan_model is None else planned_flags(own, length)
@@ -138,13 +158,16 @@ def stage_argv(own: argparse.Namespace, megatron_argv: list[str], index: int, st
         argv += ["--save-interval", str(own.save_interval)]
     if base is not None:
         argv += ["--rotary-base", base]
-    source = own.load if index == 0 else os.path.join(stage_dir(own.output_dir, index, stages[index - 1][0]),
+    if mix is not None:
+        argv += ["--mix-short", mix.text()]
+    source = own.load if index == 0 else os.path.join(stage_dir(own.output_dir, index, stages[index - 1].length),
                                                       "checkpoint")
     if state == "resume":
         argv += ["--load", save]
     elif source is not None:
         argv += ["--load", source, "--finetune"]
     record = {"stage": index + 1, "seq_length": length, "steps": steps, "rotary_base": base,
+              "mix_short": None if mix is None else dataclasses.asdict(mix),
               "context_parallel_size": cp, "checkpoint": save, "source": save if state == "resume" else source,
               "state": state, "resumed_from": at, "layout": layout}
     return argv, record
@@ -162,9 +185,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError("--plan-model and --plan-gpus go together (the planner lays out a model on GPUs)")
         if own.plan_model is not None and own.context_parallel_size is not None:
             raise ValueError("--context-parallel-size with --plan-model: the planner chooses CP per stage; drop one")
+        for number, stage in enumerate(stages, 1):  # a short length CP cannot split: refused before any stage runs
+            if stage.mix is not None and own.plan_model is None:  # (the planner's CP: checked by the stage's run)
+                mix_mod.check(stage.mix, stage.length, own.context_parallel_size or own.nproc_per_node,
+                              flag=f"--stages {own.stages!r}: stage {number} mixes")
         if own.plan_model is not None:
-            for length, _ in stages:
-                planned_flags(own, length)  # a stage no layout fits is refused before any stage runs
+            for stage in stages:
+                planned_flags(own, stage.length)  # a stage no layout fits is refused before any stage runs
     except (ValueError, SystemExit) as exc:  # PlanInfeasible is a ValueError; the planner's parser exits
         print(f"megatron-longctx extend: error: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGS

@@ -5,7 +5,8 @@
 ContextParallelAttention at CP=2 on 2 ranks (gloo on CPU, NCCL and the GPU kernels on GPUs), through
 ``megatron.training.pretrain`` with this package's providers (:mod:`megatron_longctx.job.providers`):
 checkpoints (``--save/--load/--save-interval``, iteration folders and the tracker file), logging, NaN
-checks and timeouts are Megatron's.  Three phases, each one ``torchrun``:
+checks and timeouts are Megatron's (``--mix-short`` mixes short-sequence steps in:
+:mod:`megatron_longctx.job.mix`).  Three phases, each one ``torchrun``:
 
 1. the plugin run (a checkpoint every ``--save-interval`` steps, half-way by default, and a final one);
 2. the resume check: a fresh job loads the mid-run checkpoint and must reproduce the next
@@ -24,6 +25,7 @@ after the main job's defaults, so it overrides them.  Checkpoints are never dele
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -33,6 +35,7 @@ from typing import Any, Optional
 
 from megatron_longctx.job import checkpoint_guard as guard
 from megatron_longctx.job import command_line, continuation
+from megatron_longctx.job import mix as mix_mod
 from megatron_longctx.job.spawn import Interrupted, run_phase
 from megatron_longctx.job.report import compare_losses, render_summary, run_summary
 
@@ -57,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--baseline-steps", type=int, default=8,
                    help="steps of the baseline comparison run (its attention is quadratic in memory and time)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (Megatron's log lines only)")
+    g.add_argument("--mix-short", default=None, metavar="SHORT:FRACTION",
+                   help="train FRACTION of the steps, spread evenly, on SHORT-token sequences (e.g. 4K:0.5 alternates "
+                        "--seq-length and 4,096-token batches)")
     return p
 
 
@@ -110,6 +116,9 @@ def _phase(job: command_line.Job, own: argparse.Namespace, name: str, argv: list
     metrics = os.path.join(own.output_dir, "metrics.jsonl")
     settings = {"name": name, "metrics": os.path.abspath(metrics), "progress": not own.no_progress,
                 "total_steps": total}
+    if own.mix_short is not None:  # every phase trains on the same mixed batches
+        mix = mix_mod.parse(own.mix_short)
+        settings["mix_short"] = [mix.short, mix.fraction]
     env = {"LONGCTX_BASELINE": "1"} if baseline else {"LONGCTX_BASELINE": "0"}
     rc, reports = run_phase(argv, own.nproc_per_node, settings, env)
     if rc != 0:
@@ -148,6 +157,8 @@ def _resume_check(job: command_line.Job, own: argparse.Namespace, plugin_rows: l
 
 def run_job(own: argparse.Namespace, megatron_argv: list[str]) -> int:
     job = command_line.Job.from_argv(megatron_argv, own)
+    mix = None if own.mix_short is None else mix_mod.parse(own.mix_short)
+    mix_mod.check(mix, job.values.seq_length, job.context_parallel_size)
     os.makedirs(own.output_dir, exist_ok=True)
     for note in _prepare_checkpoints(job, own):
         print(f"megatron-longctx run: {note}", flush=True)
@@ -156,6 +167,7 @@ def run_job(own: argparse.Namespace, megatron_argv: list[str]) -> int:
         os.remove(metrics)  # a fresh run's metrics (a resumed run appends)
     job.data_path = command_line.ensure_corpus(own)
     summary: dict[str, Any] = {"world_size": own.nproc_per_node, "shape": job.shape(), "train_steps": job.train_iters,
+                               "mix_short": None if mix is None else dataclasses.asdict(mix),
                                "global_batch_size": job.global_batch_size, "device": command_line.device_name(),
                                "checkpoint": job.save}
     name = f"plugin-cp{job.context_parallel_size}"

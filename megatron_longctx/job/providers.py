@@ -5,7 +5,8 @@
   :func:`~megatron_longctx.megatron.spec.transform_spec` (the ``--longctx-*`` flags); the baseline
   comparison run (``LONGCTX_BASELINE=1``) builds the same model with Megatron's own attention.
 * :func:`train_valid_test_datasets_provider`: Megatron's ``GPTDataset`` over the standard-library
-  corpus at ``--data-path`` (see :mod:`megatron_longctx.data`), byte-level tokens.
+  corpus at ``--data-path`` (see :mod:`megatron_longctx.data`), byte-level tokens; with ``--mix-short`` a
+  second one at the short length, the steps drawing from one or the other (:mod:`megatron_longctx.job.mix`).
 * :func:`forward_step` / :func:`loss_func`: ``pretrain_gpt.py``'s convention (per-token loss sum and
   token count, Megatron reduces), with the batch cut by CP rank through Megatron's zigzag and kept on
   the CPU when the process has no GPU.
@@ -22,9 +23,12 @@ from typing import Any, Optional
 import torch
 
 from megatron_longctx import data as data_mod
+from megatron_longctx.job import mix as mix_mod
 
 BASELINE_ENV = "LONGCTX_BASELINE"
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+job_mix: Optional[mix_mod.Mix] = None  # the run's --mix-short (None: every step at --seq-length), set by the worker
+batch_lengths: list[int] = []  # the sequence length of each micro-batch read since the step began (the metrics')
 
 
 def is_baseline() -> bool:
@@ -86,6 +90,11 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list, vp_stag
         raise ValueError("--data-path is required: the main job passes the standard-library corpus it built")
     train = data_mod.build_gpt_dataset(args.data_path[0], args.seq_length, train_val_test_num_samples[0], args.seed,
                                        data_mod.ByteTokenizer(), cache_dir=args.data_cache_path)
+    mix = job_mix
+    if mix is not None:  # --mix-short: the short steps' samples from a second dataset at the short length
+        short = data_mod.build_gpt_dataset(args.data_path[0], mix.short, train_val_test_num_samples[0], args.seed,
+                                           data_mod.ByteTokenizer(), cache_dir=args.data_cache_path)
+        train = mix_mod.MixedLengthDataset(train, short, args.global_batch_size, mix)
     return train, None, None
 
 
@@ -104,6 +113,7 @@ def get_batch(data_iterator: Any) -> dict[str, torch.Tensor]:
 
     sample = next(data_iterator)
     batch = {k: sample[k].to(_device(), non_blocking=True) for k in BATCH_KEYS}  # [mbs, s]
+    batch_lengths.append(int(batch["tokens"].shape[1]))
     return get_batch_on_this_cp_rank(batch, parallel_state.get_context_parallel_group())  # [mbs, s/cp]
 
 

@@ -12,9 +12,11 @@ def run_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Steps, median step time (first step excluded), tokens/s and peak memory per rank of one phase."""
     if not rows:
         return {"steps": [], "median_step_time_s": None, "median_tokens_per_s": None, "peak_mem_bytes_per_rank": []}
-    times = [r["step_time_s"] for r in rows[1:]] or [r["step_time_s"] for r in rows]
+    timed = rows[1:] or rows
+    times = [r["step_time_s"] for r in timed]
     ranks = len(rows[0]["peak_mem_bytes_per_rank"])
-    return {"steps": rows, "median_step_time_s": median(times), "median_tokens_per_s": rows[0]["tokens"] / median(times),
+    tokens = sum(r["tokens"] for r in timed) / len(timed)  # --mix-short: steps of two lengths
+    return {"steps": rows, "median_step_time_s": median(times), "median_tokens_per_s": tokens / median(times),
             "peak_mem_bytes_per_rank": [max(r["peak_mem_bytes_per_rank"][i] for r in rows) for i in range(ranks)]}
 
 

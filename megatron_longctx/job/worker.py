@@ -10,8 +10,9 @@ variable :data:`JOB_ENV`.  Hooks are put around Megatron's own functions for the
 run, and nothing else is changed:
 
 * ``train_step``: each finished step's loss (Megatron's ``lm loss``, reduced over ``dp_cp``), grad norm,
-  learning rate, time and memory per rank (CUDA peak; on CPU the RSS added since start, read at the end
-  of the step) go to ``metrics.jsonl`` and the progress bar;
+  learning rate, the sequence length its batches had (``--mix-short``: per step), time and memory per rank
+  (CUDA peak; on CPU the RSS added since start, read at the end of the step) go to ``metrics.jsonl`` and
+  the progress bar;
 * ``update_pg_timeout``: the after-init timeout reaches every process group (the plugin's too);
 * ``save_checkpoint``: once Megatron has written an iteration folder and its tracker file, the
   integrity manifest of that folder is written (:mod:`megatron_longctx.job.checkpoint_guard`);
@@ -81,10 +82,13 @@ class StepLog:
         dist.all_reduce(t)
         return [int(x) for x in t]
 
-    def add(self, step: int, loss: float, grad_norm: Optional[float], lr: float, seconds: float, tokens: int,
-            offload: Optional[dict[str, int]] = None) -> None:
+    def add(self, step: int, loss: float, grad_norm: Optional[float], lr: float, seconds: float,
+            batch: tuple[int, int], offload: Optional[dict[str, int]] = None) -> None:
+        """``batch``: the step's (global batch size, sequence length)."""
+        tokens = batch[0] * batch[1]
         row = {"run": self.name, "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-               "step_time_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+               "step_time_s": seconds, "seq_length": batch[1], "tokens": tokens,
+               "tokens_per_s": tokens / max(seconds, 1e-9),
                "peak_mem_bytes_per_rank": self.peaks(),
                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         if offload:
@@ -148,6 +152,8 @@ EXIT_STALLED = 3
 
 
 def _wrap_train_step(original: Callable, log: StepLog, watchdog: StallWatchdog) -> Callable:
+    from megatron_longctx.job import providers
+
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
@@ -156,17 +162,24 @@ def _wrap_train_step(original: Callable, log: StepLog, watchdog: StallWatchdog) 
         watchdog.beat(None)
         optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
         lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses
+        providers.batch_lengths.clear()
         start = time.perf_counter()
         out = original(*args, **kwargs)
         seconds = time.perf_counter() - start
+        lengths = set(providers.batch_lengths)
+        if len(lengths) > 1:
+            raise RuntimeError(f"step {margs.curr_iteration + 1} read micro-batches of lengths {sorted(lengths)}: a "
+                               "global batch must have one sequence length")
         watchdog.beat(margs.distributed_timeout_seconds_after_init)
         loss_dict, skipped, grad_norm = out[0], out[1], out[5]
         if "lm loss" in loss_dict and not skipped:
             value = loss_dict["lm loss"]
             loss = float(value.item() if isinstance(value, torch.Tensor) else value)
-            tokens = margs.global_batch_size * margs.seq_length
-            log.add(margs.curr_iteration + 1, loss, None if grad_norm is None else float(grad_norm), lr, seconds,
-                    tokens, _offload_stats(args[2] if len(args) > 2 else kwargs.get("model")))
+            step = margs.curr_iteration + 1
+            length = lengths.pop() if lengths else margs.seq_length  # what the step read (--mix-short: per step)
+            model = args[2] if len(args) > 2 else kwargs.get("model")
+            log.add(step, loss, None if grad_norm is None else float(grad_norm), lr, seconds,
+                    (margs.global_batch_size, length), _offload_stats(model))
         return out
 
     return train_step
@@ -272,13 +285,14 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_longctx.megatron import cpu_compat
-    from megatron_longctx.job import providers
+    from megatron_longctx.job import mix, providers
     from megatron_longctx.megatron.arguments import add_longctx_args
 
     sys.argv = [sys.argv[0], *argv]
     log = StepLog(settings)
     watchdog = StallWatchdog(settings)
     saved = _install_hooks(log, watchdog)
+    saved.append(patch(providers, "job_mix", mix.from_settings(settings), "megatron-longctx run: --mix-short"))
     if "evaluate" in settings:  # megatron-longctx eval: a forward-only pass where Megatron's train loop was
         from megatron_longctx.job.eval_forward import replace_train
 

@@ -57,7 +57,7 @@ def test_stage_hand_off_and_mid_stage_resume_are_exact(source, tmp_path):
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--stages", "8K:200,32K"], "--stages '8K:200,32K': '32K' is not LENGTH:STEPS"),
+    (["--stages", "8K:200,32K"], "--stages '8K:200,32K': '32K' is not LENGTH:STEPS[@SHORT:FRACTION]"),
     (["--stages", "32K:100,8K:200"], "the length shrinks from 32768 to 8192"),
     (["--stages", "8K:0"], "needs a length and steps >= 1"),
     (["--stages", "8K:2,16K:2", "--rotary-base", "1,2,3"], "--rotary-base '1,2,3': give one"),
@@ -71,7 +71,7 @@ def test_bad_stage_lists_are_refused_naming_the_flag(tmp_path, capsys, flags, na
 
 
 def test_stage_lengths_parse_with_units():
-    assert extend.parse_stages("8K:200,32K:100,1M:5") == [(8192, 200), (32768, 100), (1 << 20, 5)]
+    assert extend.parse_stages("8K:200,32K:100,1M:5") == [(8192, 200, None), (32768, 100, None), (1 << 20, 5, None)]
 
 
 def test_each_stage_takes_the_planners_layout_for_its_length():
@@ -86,7 +86,7 @@ def test_each_stage_takes_the_planners_layout_for_its_length():
     stages = extend.parse_stages(own.stages)
     hw = presets.gpu("h200")
     layouts = set()
-    for index, (length, _) in enumerate(stages):
+    for index, (length, _, _) in enumerate(stages):
         argv, record = extend.stage_argv(own, rest, index, stages, "8000000")
         plan = recommend(presets.model("llama3-8b"), length, 8, hw, eff=resolve(hw.family, "auto", False))
         assert argv[:len(all_flags(plan))] == all_flags(plan)  # the planner's flags first, the user's after them

@@ -70,3 +70,38 @@ def test_recipe_flags_parse_with_megatron(name):
 
 def test_cpu_demo_runs_the_main_job():
     assert re.search(r'exec "\$\{run\[@\]\}" run ', _text("cpu_demo.sh"))
+
+
+def _recorded_run(name: str, tmp_path) -> list[str]:
+    """The arguments ``examples/<name>`` gives ``megatron-longctx`` (a recording one on ``PATH``)."""
+    import subprocess
+
+    bin_dir, record = tmp_path / "bin", tmp_path / "argv"
+    bin_dir.mkdir()
+    stub = bin_dir / "megatron-longctx"
+    stub.write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$RECORD"\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RECORD=str(record),
+               OUTPUT_DIR=str(tmp_path / "out"))
+    subprocess.run(["bash", os.path.join(EXAMPLES, name)], env=env, check=True, timeout=60)
+    return record.read_bytes().decode().split("\0")[:-1]
+
+
+def test_cpu_1m_flags_parse_with_megatron_and_the_main_job(tmp_path):
+    training = pytest.importorskip("megatron.training.arguments",
+                                   reason="megatron-core < 0.19 ships no megatron.training")
+    from megatron_longctx.job import command_line, pretrain
+    from megatron_longctx.megatron.arguments import add_longctx_args, config_from_args
+
+    argv = _recorded_run("cpu_1m.sh", tmp_path)
+    assert argv[0] == "run"
+    own, megatron_argv = pretrain.build_parser().parse_known_args(argv[1:])
+    assert own.nproc_per_node == 2 and own.no_baseline and own.no_resume_check
+    parser = add_longctx_args(training.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    args = parser.parse_args(command_line.DEFAULTS + megatron_argv)  # a flag Megatron no longer has exits here
+    assert args.seq_length == 1 << 20 and args.max_position_embeddings == 1 << 20
+    assert args.context_parallel_size == 2 and args.train_iters == 1 and args.global_batch_size == 1
+    cfg = config_from_args(args)
+    assert cfg.memory.offload_target == "disk" and cfg.memory.offload_disk_dir == str(tmp_path / "out" / "offload")
+    job = command_line.Job.from_argv(megatron_argv, own)  # the main job's own checks, before any rank starts
+    assert job.shape()["seq_length"] == 1 << 20 and job.context_parallel_size == 2
