@@ -16,7 +16,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
 SECTIONS = ["environment", "kernels", "ring", "windows", "packed", "offload", "offload_one_connection", "gpt_step", "tiled_replay",
-            "fused_replay", "residual_grad", "max_seq"]
+            "fused_replay", "residual_grad", "model_states", "max_seq"]
 
 
 def _run(*args: str, timeout: float = 900, **env_extra: str) -> subprocess.CompletedProcess:
