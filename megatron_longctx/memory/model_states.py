@@ -59,6 +59,9 @@ class StreamOptions:
     parallel x context parallel) the gradient slot is summed over before it leaves the device.
     grad_scale: the factor the gradients are multiplied by before that sum (Megatron's DDP
     ``gradient_scaling_factor``, 1 / the group's size when the loss is not per token).
+    host_grad_units: indices of units whose accumulated gradients others read and write on ``main_grad``
+    between backward and the optimizer step (a tied embedding's copies on the first and last pipeline stage,
+    summed by Megatron): with ``disk`` their accumulator stays in the host pool, their weights on disk.
     """
 
     target: str
@@ -70,6 +73,7 @@ class StreamOptions:
     accumulate_grad: bool = True
     reduce_group: Any = None
     grad_scale: float = 1.0
+    host_grad_units: tuple = ()  # units whose gradient accumulator stays in the host pool with ``disk``
 
 
 class ModelStateStreamer:
@@ -125,9 +129,9 @@ class ModelStateStreamer:
         for u in self.units:
             if self.opts.target == "host":
                 u.host = self._take(u.nbytes, f"unit {u.index}'s weights")
-                u.ghost = self._take(u.gbytes, f"unit {u.index}'s gradients") if u.gbytes else None
-                if u.ghost is not None:
-                    u.ghost.zero_()
+            if u.gbytes and (self.opts.target == "host" or u.index in self.opts.host_grad_units):
+                u.ghost = self._take(u.gbytes, f"unit {u.index}'s gradients")
+                u.ghost.zero_()
             for p in u.params:
                 src = p.param.data.reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes
                 if u.host is not None:
@@ -138,7 +142,8 @@ class ModelStateStreamer:
             if self.opts.target == "disk":
                 assert self.run_dir is not None and self._staging is not None
                 u.path = os.path.join(self.run_dir.path, f"unit{u.index}.w")
-                u.gpath = os.path.join(self.run_dir.path, f"unit{u.index}.g")
+                if u.ghost is None:
+                    u.gpath = os.path.join(self.run_dir.path, f"unit{u.index}.g")
                 self._write(self._staging[:u.nbytes], u.path, f"unit {u.index}'s weights")
             self._point_off_device(u)
 
@@ -154,16 +159,15 @@ class ModelStateStreamer:
 
     def _point_off_device(self, u: Unit) -> None:
         """Parameters between uses: views of the host copy (``host``); for ``disk`` a one-element
-        placeholder of the right shape (the values are in the file; :meth:`unit_weights` reads them)."""
+        placeholder of the right shape (the values are in the file; :meth:`unit_weights` reads them).
+        ``main_grad``: a view of the host accumulator where there is one, else None (in its file)."""
         for p in u.params:
             if u.host is not None:
                 p.param.data = view(u.host, p.offset, p.dtype, p.shape)
-                if p.goffset >= 0 and u.ghost is not None:
-                    p.param.main_grad = view(u.ghost, p.goffset, p.grad_dtype, p.shape)
             else:
                 p.param.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)
-                if p.goffset >= 0:
-                    p.param.main_grad = None
+            if p.goffset >= 0:
+                p.param.main_grad = None if u.ghost is None else view(u.ghost, p.goffset, p.grad_dtype, p.shape)
 
     # ------------------------------------------------------------------ weights in and out
     def _free_slot(self, owners: list) -> Optional[int]:

@@ -183,3 +183,17 @@ def test_model_state_offload_under_data_parallel(script):
     print(f"model states under DP=2: {run.wall_s:.1f} s")
     assert "model states: weights and gradients streamed per layer" in run.output
     assert_same_losses(run.lm_losses(), one_rank.lm_losses())
+
+
+def test_model_state_offload_under_pipeline_parallel(script, tmp_path):
+    """Two pipeline stages, each streaming its own units; the tied embedding's two copies (first and last
+    stage), whose gradients Megatron sums on ``main_grad`` after backward, keep their accumulator on the
+    host with ``disk``. Losses equal the same pipeline without the flag bit for bit."""
+    pp = [*TINY_GPT, *ITERS, "--pipeline-model-parallel-size", "2"]
+    plain = run_script(script, pp, nproc=2).check()
+    where = {"host": (), "disk": ("--longctx-offload-disk-dir", str(tmp_path))}
+    for target in ("host", "disk"):
+        run = run_script(script, [*pp, "--longctx-model-state-offload", target, *where[target]], nproc=2).check()
+        print(f"model states {target} under PP=2: {run.wall_s:.1f} s")
+        assert "model states: weights and gradients streamed per layer" in run.output
+        assert run.lm_losses() == plain.lm_losses()

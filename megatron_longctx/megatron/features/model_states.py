@@ -111,10 +111,14 @@ class ModelStatesFeature(Feature):
             scale = factors.pop() if factors else 1.0
         pool = HostPool(mem.offload_host_pool_bytes)
         disk_dir = mem.offload_disk_dir or _default_disk_dir() if ms.model_state_offload == "disk" else None
+        # a tied embedding's copies on the first and last pipeline stage: Megatron sums their gradients on
+        # main_grad after backward, so those stay in host memory with disk
+        shared = tuple(i for i, u in enumerate(units) for m in (u if isinstance(u, tuple) else (u,))
+                       if any(getattr(p, "shared_embedding", False) for p in m.parameters()))
         opts = StreamOptions(target=ms.model_state_offload, device=_device(), pool=pool,
                              disk_dir=disk_dir,
                              slots=ms.model_state_slots, grad_dtype=grad_dtype, accumulate_grad=True,
-                             reduce_group=group, grad_scale=scale)
+                             reduce_group=group, grad_scale=scale, host_grad_units=shared)
         streamer = ModelStateStreamer(units, opts)
         patches: list[Callable[[], None]] = []
         if ddp is not None:
