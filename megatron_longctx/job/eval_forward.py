@@ -9,6 +9,7 @@ loss sums and the passkey counts are reduced over the ranks and rank 0 writes ``
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Callable
 
 import torch
@@ -110,14 +111,29 @@ def passkey_accuracy(model: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {"lengths": lengths, "depths": depths, "trials": trials, "accuracy": accuracy, "keys": keys}
 
 
+def _peaks() -> list[int]:
+    """Each rank's peak memory: device memory allocated on a GPU, resident memory on the CPU (the process's own
+    footprint included)."""
+    from megatron_longctx.memory.accounting import peak_rss_bytes
+
+    cuda = torch.cuda.is_available()
+    t = torch.zeros(dist.get_world_size(), dtype=torch.int64, device="cuda" if cuda else "cpu")
+    t[dist.get_rank()] = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()  # [world]
+    dist.all_reduce(t)
+    return [int(x) for x in t]
+
+
 def evaluate(model: Any, iterator: Any, settings: dict[str, Any]) -> None:
     model.eval()
+    start = time.perf_counter()
     with torch.no_grad():
         result = {"checkpoint": settings["checkpoint"], "iteration": settings["iteration"],
                   "seq_length": settings["seq_length"], "context_parallel_size": settings["context_parallel_size"],
                   "attention": settings["attention"], "world_size": dist.get_world_size(),
                   "position_loss": position_loss(model, iterator, settings),
                   "passkey": passkey_accuracy(model, settings)}
+    result["seconds"] = time.perf_counter() - start
+    result["peak_mem_bytes_per_rank"] = _peaks()
     if dist.get_rank() == 0:
         with open(settings["output"], "w") as f:
             json.dump(result, f, indent=1)

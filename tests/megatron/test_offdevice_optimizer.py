@@ -119,3 +119,31 @@ def test_refuses_an_inner_optimizer_that_is_not_adamw(tmp_path):
             install(wrapper, spec)
         assert words in str(info.value)
         assert wrapper.optimizer is inner  # left as it was
+
+
+@pytest.mark.parametrize("total_norm", [0.5, 3.0], ids=["under", "over"])
+def test_unit_by_unit_clipping_scales_as_megatron(total_norm):
+    """Model-state offload to disk applies Megatron's clipping to each unit's gradients as the step reads them:
+    the same coefficient and multiply as ``clip_grad_by_total_norm_fp32`` on all of them at once."""
+    if not _clipping_runs_on_a_cpu():
+        pytest.skip("megatron-core 0.16's gradient clipping asserts CUDA tensors on a CPU")
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    from megatron_longctx.megatron.features.model_states import _scale_as_megatron
+    from tests.gpt_kit import cpu
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (7, 33, 130)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for t, p in zip(twins, params):
+        t.grad = p.grad.clone()
+    before = [p.grad.clone() for p in params]
+    with cpu():
+        clip_grad_by_total_norm_fp32(params, 1.0, total_norm)
+    for unit in (twins[:1], twins[1:]):  # two units, one after the other
+        _scale_as_megatron(unit, 1.0, total_norm)
+    for t, p, b in zip(twins, params, before):
+        torch.testing.assert_close(t.grad, p.grad, rtol=0, atol=0)
+        assert torch.equal(p.grad, b) == (total_norm < 1.0)  # scaled only when the norm is over the bound

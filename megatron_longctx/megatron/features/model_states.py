@@ -283,10 +283,11 @@ def _streamed_clipping(wrappers: list, source: _ClippedSource) -> list[Callable[
     older megatron-core) become one one-element tensor per parameter holding that gradient's norm, read unit
     by unit: Megatron's ``get_grad_norm_fp32`` over them is the norm over the gradients (the per-tensor norms
     are where its own reduction starts).  Megatron's ``clip_grad_by_total_norm_fp32``, called by the wrapper
-    or by a ``ChainedOptimizer`` with the total norm, is applied to each unit's gradients as the step reads
-    them (the same factor on the same values)."""
+    or by a ``ChainedOptimizer`` with the total norm, scales the parameters that are not streamed; its
+    coefficient is applied to each unit's gradients as the step reads them (:func:`_scale_as_megatron`)."""
     import megatron.core.optimizer.optimizer as megatron_optimizer
 
+    device = _device()  # where Megatron's norm runs (its multi-tensor kernels on a GPU)
     undo: list[Callable[[], None]] = []
     for wrapper in wrappers:
         name = "get_grads_for_grad_norm" if hasattr(wrapper, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
@@ -300,7 +301,7 @@ def _streamed_clipping(wrappers: list, source: _ClippedSource) -> list[Callable[
                 with source.streamer.grads_in(i):
                     owner = {id(p.grad): p for p in params if p.grad is not None}
                     for g in original(*args, **kwargs):  # Megatron's filter: not shared, no TP duplicate
-                        norms[id(owner[id(g)])] = torch.norm(g).reshape(1)
+                        norms[id(owner[id(g)])] = torch.norm(g).reshape(1).to(device)
             out = []  # in Megatron's parameter order, so its reduction adds in the same order
             for p in wrapper.get_parameters():
                 if id(p) in norms:
@@ -320,11 +321,23 @@ def _streamed_clipping(wrappers: list, source: _ClippedSource) -> list[Callable[
         if rest:
             clip(rest, max_norm, total_norm, use_decoupled_grad)
         if len(rest) < len(params):  # the step applies it as it reads each unit
-            source.clip = lambda ps: clip(ps, max_norm, total_norm, use_decoupled_grad)
+            source.clip = lambda ps: _scale_as_megatron(ps, max_norm, total_norm)
 
     undo.append(patch(megatron_optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32,
                       reason=f"{FLAG} disk: clipping applied unit by unit").undo)
     return undo
+
+
+def _scale_as_megatron(params: list, max_norm: float, total_norm: Any) -> None:
+    """``clip_grad_by_total_norm_fp32``'s scaling on one unit's gradients, which are on the host here (its
+    multi-tensor kernels and checks want them on the GPU): the same coefficient, the same multiply."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if isinstance(coeff, torch.Tensor):
+        coeff = coeff.clamp_max(1.0)
+    elif coeff >= 1.0:
+        return
+    for p in params:
+        p.grad.mul_(coeff.to(p.grad.device) if isinstance(coeff, torch.Tensor) else coeff)
 
 
 def _around(fn: Callable[..., Any], streamer: ModelStateStreamer) -> Callable[..., Any]:
