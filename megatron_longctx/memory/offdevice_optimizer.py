@@ -120,6 +120,8 @@ class OffDeviceAdamW(torch.optim.Optimizer):
         self._staged = 0
         self._run_dir = RunDir(spec.disk_dir) if spec.target == "disk" else None
         self._offsets = self._layout()
+        # ids of the parameters the source brings in (their gradients and weights are not held here)
+        self._sourced = set() if spec.source is None else {id(p) for ps in spec.source.param_groups() for p in ps}
 
     # ------------------------------------------------------------------ layout and staging
     def _params(self) -> list[torch.Tensor]:
@@ -169,10 +171,9 @@ class OffDeviceAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []  # (group, param, new step count) of every parameter with a gradient
-        sourced = self._sourced()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None and id(p) not in sourced:  # a sourced gradient is brought in by the step
+                if p.grad is None and id(p) not in self._sourced:  # a sourced gradient is brought in by the step
                     continue
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{FLAG}: the off-device AdamW does not take sparse gradients")
@@ -196,10 +197,6 @@ class OffDeviceAdamW(torch.optim.Optimizer):
                 self._disk_step(work, bufs)
         return loss
 
-    def _sourced(self) -> set:
-        source = self.spec.source
-        return set() if source is None else {id(p) for ps in source.param_groups() for p in ps}
-
     def _blocks(self, weights: bool) -> Iterator[list[torch.Tensor]]:
         """This optimizer's parameters a block at a time: each source group with its gradients (or weights)
         brought in for the block, then the parameters no source holds."""
@@ -211,8 +208,7 @@ class OffDeviceAdamW(torch.optim.Optimizer):
                 if ps:
                     with (source.weights_in(i) if weights else source.grads_in(i)):
                         yield ps
-        sourced = self._sourced()
-        rest = [p for p in self._params() if id(p) not in sourced]
+        rest = [p for p in self._params() if id(p) not in self._sourced]
         if rest:
             yield rest
 

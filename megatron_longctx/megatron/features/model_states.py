@@ -223,7 +223,7 @@ def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]
 def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: LongContextConfig) -> Callable[[Any], Any]:
     """For ``disk``: Adam's moments live on disk too (:mod:`megatron_longctx.megatron.offdevice_optimizer`),
     and the step brings one unit at a time onto the host: its gradients for the gradient norm and for the
-    moments, then its weights for the update, written back (:func:`_streamed_clip`); Megatron's checkpoint
+    moments, then its weights for the update, written back (:func:`_streamed_clipping`); Megatron's checkpoint
     save and load see every unit's weights and gradients read back (:func:`_materialized`).  ``host``:
     nothing to add (the parameters and ``main_grad`` are views of the host copies, stepped in place)."""
     if streamer.opts.target != "disk":
@@ -234,8 +234,9 @@ def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: Lo
     from megatron_longctx.memory.offdevice_optimizer import OffDeviceSpec
 
     why = f"{FLAG} disk: the weights are read back from their files for this call"
-    for name in ("save_checkpoint", "load_checkpoint"):
-        installed.patches.append(patch(training, name, _around(getattr(training, name), streamer), reason=why).undo)
+    for name, store in (("save_checkpoint", False), ("load_checkpoint", True)):  # a save changes no weight
+        installed.patches.append(patch(training, name, _around(getattr(training, name), streamer, store),
+                                       reason=why).undo)
 
     def wire(optimizer: Any) -> Any:
         wrappers = offdevice_optimizer.megatron_optimizers(optimizer)
@@ -290,7 +291,8 @@ def _streamed_clipping(wrappers: list, source: _ClippedSource) -> list[Callable[
     device = _device()  # where Megatron's norm runs (its multi-tensor kernels on a GPU)
     undo: list[Callable[[], None]] = []
     for wrapper in wrappers:
-        name = "get_grads_for_grad_norm" if hasattr(wrapper, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
+        name = ("get_grads_for_grad_norm" if hasattr(wrapper, "get_grads_for_grad_norm")
+                else "get_main_grads_for_grad_norm")  # megatron-core 0.16
         original = getattr(wrapper, name)
 
         def grads_for_norm(*args: Any, wrapper: Any = wrapper, original: Any = original,
@@ -340,18 +342,19 @@ def _scale_as_megatron(params: list, max_norm: float, total_norm: Any) -> None:
         p.grad.mul_(coeff.to(p.grad.device) if isinstance(coeff, torch.Tensor) else coeff)
 
 
-def _around(fn: Callable[..., Any], streamer: ModelStateStreamer) -> Callable[..., Any]:
+def _around(fn: Callable[..., Any], streamer: ModelStateStreamer, store: bool) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
-        with _materialized(streamer):
+        with _materialized(streamer, store):
             return fn(*args, **kwargs)
 
     return call
 
 
 @contextlib.contextmanager
-def _materialized(streamer: ModelStateStreamer) -> Any:
+def _materialized(streamer: ModelStateStreamer, store: bool) -> Any:
     """Every unit's weights and accumulated gradients as host tensors for the parameters' ``.data`` and
-    ``main_grad``; afterwards the (possibly updated) weights are written back to the files."""
+    ``main_grad``; afterwards (``store``: the call may have changed them, as a load does) the weights are
+    written back to the files."""
     for i, u in enumerate(streamer.units):
         for p, w, g in zip(u.params, streamer.unit_weights(i), streamer.unit_grads(i)):
             p.param.data = w
@@ -361,7 +364,8 @@ def _materialized(streamer: ModelStateStreamer) -> Any:
         yield
     finally:
         for i, u in enumerate(streamer.units):
-            streamer.store_weights(i, [p.param.data for p in u.params])
+            if store:
+                streamer.store_weights(i, [p.param.data for p in u.params])
             streamer._point_off_device(u)
 
 
