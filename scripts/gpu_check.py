@@ -63,7 +63,7 @@ sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # this repository, and the secti
 
 from gpu_check_attention import section_kernels, section_ring, section_windows  # noqa: E402
 from gpu_check_common import (CPU_SIZES, ERROR, GPU_SIZES, INCOMPLETE, OK, UNAVAILABLE, Budget,  # noqa: E402
-                              BudgetSkip, Sizes, Skip, _time, worst)
+                              BudgetSkip, Sizes, Skip, _time, copy_summary, worst)
 from gpu_check_packed import section_packed  # noqa: E402
 from gpu_check_gpt import section_gpt_step  # noqa: E402
 from gpu_check_memory import section_max_seq, section_offload, section_tiled_replay  # noqa: E402
@@ -118,16 +118,16 @@ def section_offload_one_connection(device: torch.device, sizes: Sizes, budget: B
     return child
 
 
-# Seconds each section may take (the sum, 450, leaves the 480 s limit of gpu_check.sh room for the start);
+# Seconds each section may take (the sum, 440, leaves the 480 s limit of gpu_check.sh room for the start);
 # a section that runs out before covering what it must is "incomplete", which fails the run.
 SECTIONS: dict[str, tuple[Callable, float]] = {
     "environment": (section_environment, 20),
-    "kernels": (section_kernels, 50),
-    "ring": (section_ring, 50),
+    "kernels": (section_kernels, 40),
+    "ring": (section_ring, 35),
     "windows": (section_windows, 25),
-    "packed": (section_packed, 50),
+    "packed": (section_packed, 40),
     "offload": (section_offload, 40),
-    "offload_one_connection": (section_offload_one_connection, 30),
+    "offload_one_connection": (section_offload_one_connection, 55),
     "gpt_step": (section_gpt_step, 25),
     "tiled_replay": (section_tiled_replay, 30),
     "fused_replay": (section_fused_replay, 15),
@@ -196,13 +196,13 @@ def _summary(name: str, r: dict) -> str:
     if name.startswith("offload"):
         if "peak_reduction" in r:
             return (f"peak {r['plain_peak_gib']:.1f} -> {r['offload_peak_gib']:.1f} GiB, time "
-                    f"{r['plain_s']:.2f} -> {r['offload_s']:.2f} s, hidden {r['hidden_share']:.0%}")
+                    f"{r['plain_s']:.2f} -> {r['offload_s']:.2f} s, {copy_summary(r)}")
         return f"grads max rel err {r['grad_max_rel_err']:.1e}; {r.get('note', '')}"
     if name == "model_states":
         if "streamed_peak_gib" in r:
             return (f"grads max rel err {r['grad_max_rel_err']:.1e}; peak {r['plain_peak_gib']:.2f} -> "
                     f"{r['streamed_peak_gib']:.2f} GiB (bound {r['bound_gib']:.2f}); time {r['plain_s']:.3f} -> "
-                    f"{r['streamed_s']:.3f} s, hidden {r['hidden_share']:.0%}")
+                    f"{r['streamed_s']:.3f} s, {copy_summary(r)}")
         return f"grads max rel err {r['grad_max_rel_err']:.1e}; {r.get('note', '')}"
     if name == "gpt_step":
         return f"loss rel err {r['step1']['loss_rel_err']:.1e}, grads {r['step1']['grad_max_rel_err']:.1e}"
@@ -219,7 +219,7 @@ def _summary(name: str, r: dict) -> str:
         hidden = r.get("hidden_share")
         return (f"grads rel err {r['grad_max_rel_err']:.1e}; {r['streamed_bytes_per_step'] / 2**20:.0f} MiB streamed"
                 + (f", peak {r['dense_step_peak_gib']:.2f} -> {r['streamed_step_peak_gib']:.2f} GiB, time "
-                   f"{r['dense_s']:.2f} -> {r['streamed_s']:.2f} s, copy hidden {hidden:.0%}" if hidden is not None
+                   f"{r['dense_s']:.2f} -> {r['streamed_s']:.2f} s, {copy_summary(r)}" if hidden is not None
                    else f"; {r.get('note', '')}"))
     if name == "windows":
         return "; ".join(

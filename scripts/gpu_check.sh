@@ -15,7 +15,7 @@
 # (its requirements torch, numpy, packaging are on the image).  Then the one device `run` call:
 #   command:   set -o pipefail; scripts/gpu_check.sh $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
 #   carry:     [".whl"]
-#   timeout_s: 560   (450 s of section budgets inside the 480 s limit below, the wheel install and the start;
+#   timeout_s: 560   (440 s of section budgets inside the 480 s limit below, the wheel install and the start;
 #                     leaves a rerun inside 15 minutes of device time)
 # It prints one table (a row per section) and writes the JSON; every section must come back "ok".
 # Exit status: 0 every section ok; 1 any section failed, errored, incomplete (time budget) or unavailable;

@@ -135,7 +135,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b| over the reference's finite entries, relative to max |b| there; ``inf`` when the
     shapes differ or ``a`` has a NaN or inf the reference does not (with its sign): never NaN, so no fold
     of errors can lose a bad one."""
-    a, b = a.double(), b.double()
+    a, b = a.double().to(b.device), b.double()
     if a.shape != b.shape or _nonfinite_mismatch(a, b):
         return float("inf")
     finite = torch.isfinite(b)
@@ -147,11 +147,26 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b| over the reference's finite entries (for lse: nats), non-finite rules of :func:`_rel_err`."""
-    a, b = a.double(), b.double()
+    a, b = a.double().to(b.device), b.double()
     if a.shape != b.shape or _nonfinite_mismatch(a, b):
         return float("inf")
     finite = torch.isfinite(b)
     return (a - b)[finite].abs().max().item() if finite.any() else 0.0
+
+
+def copy_overlap(extra_s: float, copy_s: float) -> dict:
+    """How much of ``copy_s`` (the copies' time if run serially) the step hid, from ``extra_s`` (its time over
+    the run without copies): ``hidden_share`` in [0, 1] (``None`` when nothing was copied) and
+    ``unexplained_s``, the extra time the copies cannot account for even if none was hidden."""
+    if copy_s <= 0:
+        return {"hidden_share": None, "unexplained_s": max(extra_s, 0.0)}
+    return {"hidden_share": min(max(1 - extra_s / copy_s, 0.0), 1.0), "unexplained_s": max(extra_s - copy_s, 0.0)}
+
+
+def copy_summary(r: dict) -> str:
+    """``copy hidden 37%``, with the extra time that is not the copies' when there is some."""
+    text = f"copy hidden {r['hidden_share']:.0%}"
+    return text + (f" (+{r['unexplained_s']:.2f} s not copies)" if r.get("unexplained_s", 0) >= 0.005 else "")
 
 
 def worst(errs) -> float:

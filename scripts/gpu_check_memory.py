@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gpu_check_common import Budget, Sizes, _sync, _time
+from gpu_check_common import Budget, Sizes, _sync, _time, copy_overlap
 from gpu_check_gpt import batch, build_gpt, compare, dtype_for, loss_and_grads, require_megatron, single_rank_megatron
 
 
@@ -83,7 +83,7 @@ def section_offload(device: torch.device, sizes: Sizes, budget: Budget) -> dict:
         extra = off["seconds"] - plain["seconds"]
         out.update(plain_peak_gib=plain["peak_bytes"] / 2**30, offload_peak_gib=off["peak_bytes"] / 2**30,
                    peak_reduction=1 - off["peak_bytes"] / plain["peak_bytes"], host_gbps=bw / 1e9,
-                   copy_s_if_serial=copy_s, hidden_share=1 - max(extra, 0.0) / copy_s if copy_s > 0 else None)
+                   copy_s_if_serial=copy_s, **copy_overlap(extra, copy_s))
         lowered = off["peak_bytes"] < 0.8 * plain["peak_bytes"]
         out["status"] = "ok" if (lowered and grads_ok and stats["param_refreshes"] >= 1) else "failed"
     else:

@@ -1,7 +1,7 @@
 """gpu_check section on model-state offload: a Llama-shaped GPTModel trained plain and with its weights
 and gradients streamed layer by layer through device slots from pinned host memory
-(``--longctx-model-state-offload host``): equal gradients, the device's peak within the slots plus what the
-plain step holds besides its weights and gradients, and the share of the copy time hidden behind compute.
+(``--longctx-model-state-offload host``): equal gradients, the device's peak below the plain step's and within
+the slots plus what the plain step holds besides its weights, and the share of the copy time hidden behind compute.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gpu_check_common import Budget, BudgetSkip, Sizes, _sync
+from gpu_check_common import Budget, BudgetSkip, Sizes, _sync, copy_overlap
 from gpu_check_gpt import batch, build_gpt, compare, dtype_for, loss_and_grads, require_megatron, single_rank_megatron
 
 _MARGIN = 64 << 20  # allocator rounding and the cuBLAS workspace
@@ -23,11 +23,13 @@ def _units(model) -> list[tuple[str, Any]]:
     return [("embedding.", model.embedding), *layers, ("output_layer.", model.output_layer)]
 
 
-def _streamed_step(model, streamer, units, tokens, pos, device) -> dict:
+def _streamed_step(model, streamer, units, tokens, pos, device, accumulate: bool = False) -> dict:
     """One step with the streamer in place: the loss and every parameter's gradient (the streamed ones from
-    their off-device accumulators), the device's peak and the step's seconds."""
-    streamer.zero_grad()
-    model.zero_grad(set_to_none=True)
+    their off-device accumulators, added to what they held when ``accumulate``), the device's peak and the
+    step's seconds."""
+    if not accumulate:
+        streamer.zero_grad()
+        model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -58,7 +60,7 @@ def section_model_states(device: torch.device, sizes: Sizes, budget: Budget) -> 
         tokens, pos = batch(shape, seq, device)
         model, _ = build_gpt(shape, seq, dtype, {})
         model = model.to(device)
-        states = sum(2 * p.numel() * p.element_size() for p in model.parameters())  # weights and gradients
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
         loss_and_grads(model, tokens, pos)  # warm-up
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -67,6 +69,7 @@ def section_model_states(device: torch.device, sizes: Sizes, budget: Budget) -> 
         _sync(device)
         plain_s = time.perf_counter() - t0
         plain_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        plain = (plain[0], {n: g.cpu() for n, g in plain[1].items()})  # off the device the streamed step measures
         del model
         gc.collect()
         if budget.left() <= 0:
@@ -81,17 +84,22 @@ def section_model_states(device: torch.device, sizes: Sizes, budget: Budget) -> 
         gc.collect()
         try:
             _streamed_step(model, streamer, units, tokens, pos, device)  # warm-up
-            loads = streamer.loads
+            before = streamer.bytes_in + streamer.bytes_out
             run = _streamed_step(model, streamer, units, tokens, pos, device)
-            # bytes over the host link in one step: every weight load in, each unit's gradients out once
-            moved = (streamer.loads - loads) * streamer.slot_bytes + len(streamer.units) * streamer.gslot_bytes
+            moved = streamer.bytes_in + streamer.bytes_out - before  # over the host link in one step
+            # a second micro-batch: the off-device accumulators add it (on the device, then copied out)
+            twice = _streamed_step(model, streamer, units, tokens, pos, device, accumulate=True)
         finally:
             streamer.remove()
     out.update(compare(plain, run["result"]))
-    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the same kernels on the same weights
-    grads_ok = out["grad_max_rel_err"] <= tol and out["loss_rel_err"] <= tol and not out["grad_keys_differ"]
+    doubled = compare((plain[0], {n: 2 * g for n, g in plain[1].items()}), twice["result"])
+    out["accumulated_grad_max_rel_err"] = doubled["grad_max_rel_err"]
+    # the same kernels on the same weights; bf16 backward on a GPU is not bitwise repeatable (atomics)
+    tol = 1e-6 if dtype == torch.float32 else 3e-2
+    grads_ok = (max(out["grad_max_rel_err"], out["accumulated_grad_max_rel_err"], out["loss_rel_err"]) <= tol
+                and not out["grad_keys_differ"] and not doubled["grad_keys_differ"])
     out.update(plain_s=plain_s, streamed_s=run["seconds"], slots_bytes=streamer.capacity,
-               peak_resident_bytes=streamer.peak_resident, states_bytes=states, copied_bytes_per_step=moved)
+               peak_resident_bytes=streamer.peak_resident, weights_bytes=weights, copied_bytes_per_step=moved)
     if device.type == "cuda":
         pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -102,12 +110,14 @@ def section_model_states(device: torch.device, sizes: Sizes, budget: Budget) -> 
         bandwidth = (1 << 30) / (time.perf_counter() - t0)
         copy_s = moved / bandwidth
         extra = run["seconds"] - plain_s
-        others = plain_peak - states  # what the plain step holds besides its weights and gradients
-        bound = streamer.capacity + others + streamer.slot_bytes + _MARGIN
+        # The plain step's peak less its weights is its activations plus the gradients it held at that moment
+        # (at most all of them): with the weights streamed, the slots take the weights' place.
+        bound = plain_peak - weights + streamer.capacity + _MARGIN
         out.update(plain_peak_gib=plain_peak / 2**30, streamed_peak_gib=run["peak_bytes"] / 2**30,
                    bound_gib=bound / 2**30, host_gbps=bandwidth / 1e9, copy_s_if_serial=copy_s,
-                   hidden_share=1 - max(extra, 0.0) / copy_s if copy_s > 0 else None)
-        out["status"] = "ok" if grads_ok and run["peak_bytes"] <= bound else "failed"
+                   **copy_overlap(extra, copy_s))
+        lowered = run["peak_bytes"] < plain_peak
+        out["status"] = "ok" if grads_ok and lowered and run["peak_bytes"] <= bound else "failed"
     else:
         out["status"] = "ok" if grads_ok and moved > 0 else "failed"
         out["note"] = "CPU: the slots are host tensors; no device peak or copy overlap here"

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
-from gpu_check_common import Budget, Sizes, Skip, _rel_err
+from gpu_check_common import Budget, Sizes, Skip, _rel_err, copy_overlap
 from gpu_check_gpt import batch, build_gpt, compare, dtype_for, require_megatron, single_rank_megatron
 from gpu_check_memory import _MEMORY_TILES, _host_bandwidth, _replay_run
 
@@ -154,7 +154,7 @@ def section_residual_grad(device: torch.device, sizes: Sizes, budget: Budget) ->
         copy_s = moved / bw
         extra_s = streamed["seconds"] - dense["seconds"]
         out.update(host_gbps=bw / 1e9, copy_s_if_serial=copy_s, extra_s=extra_s,
-                   hidden_share=1 - max(extra_s, 0.0) / copy_s if copy_s > 0 else None,
+                   **copy_overlap(extra_s, copy_s),
                    dense_step_peak_gib=(dense["peak_bytes"] - dense["start_bytes"]) / 2**30,
                    streamed_step_peak_gib=(streamed["peak_bytes"] - streamed["start_bytes"]) / 2**30)
         if not moved > 0:

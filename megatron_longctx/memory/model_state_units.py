@@ -51,6 +51,9 @@ class Unit:
         self.gslot: Optional[int] = None
         self.pending: set = set()  # ids of parameters whose gradient has not come yet
         self.in_forward = 0
+        self.prefetched = False  # in a weight slot ahead of a use; a load that finds no free slot takes it
+        self.ready: Any = None  # GPU: event of the copy into its weight slot, for the compute stream to wait on
+        self.copied_out: Any = None  # GPU: event of its last gradient copy to the host accumulator
 
 
 def aligned(n: int) -> int:

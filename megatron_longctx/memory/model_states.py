@@ -7,14 +7,17 @@ bound) or a file on local disk read back through a pool buffer used as staging (
 holds a few *weight slots* and *gradient slots*, each sized for the largest unit:
 
 * a forward pre-hook copies the unit's weights into a free weight slot and points each parameter's
-  ``.data`` at its view there (the next unit's copy is started at once into another slot, on the side
-  stream when the device is a GPU); the forward post-hook points ``.data`` back at the off-device copy and
-  frees the slot.  A recompute re-enters the same hooks, so the weights come in again for it;
+  ``.data`` at its view there; with ``host`` the next unit's copy (the one after in forward, the one before
+  in backward and its recompute) starts at once into another free slot, on a side stream when the device is
+  a GPU, and gives its slot up when a use needs it.  The forward post-hook points ``.data`` back at the
+  off-device copy and frees the slot.  A recompute re-enters the same hooks, so the weights come in again
+  for it;
 * a gradient hook on the unit's outputs brings the weights in again for the unit's backward and points
   each parameter's ``main_grad`` (Megatron's gradient protocol) at a zeroed view of a gradient slot;
   gradients autograd hands a parameter (``.grad``) are added into ``main_grad``; once every parameter of the
   unit has its gradient, the slot is added into the off-device accumulator (across micro-batches) and both
-  slots are freed;
+  slots are freed.  With ``host`` on a GPU the sum is made on the device and copied out on the side stream;
+  :meth:`ModelStateStreamer.finish_backward` waits for the copies before anything reads the accumulators;
 * autograd may save a *view* of a weight (``F.linear`` saves ``weight.t()``): such a view is packed as a
   recipe on its parameter, so backward reads the weights that are in a slot then, never a slot's later
   contents.
@@ -100,9 +103,15 @@ class ModelStateStreamer:
         self._wowner: list = [None] * opts.slots
         self._gowner: list = [None] * opts.slots
         self._slot_ptrs = {s.untyped_storage().data_ptr(): i for i, s in enumerate(self.wslots)}
+        # GPU: copies run on a side stream; a slot is written only after the compute stream's last use of it
+        self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self._wfree: list = [None] * opts.slots  # event: the compute stream is done with the weight slot
+        self._gfree: list = [None] * opts.slots  # event: the gradient slot's copy out has read it
+        self._copies_out: list = []  # events of gradient copies to the host not waited for yet
         self.resident = 0  # bytes of parameters and gradients now in device slots
         self.peak_resident = 0
-        self.loads = self.grad_flushes = 0
+        self.loads = self.grad_flushes = self.prefetches = 0
+        self.bytes_in = self.bytes_out = 0  # weights copied into slots; gradients copied out of them
         self.sync_grads = True  # False for all but a step's last micro-batch (as DDP's no_sync)
         self._forward_ctx: list = []
         self._handles: list = []
@@ -176,25 +185,74 @@ class ModelStateStreamer:
                 return i
         return None
 
-    def _load(self, u: Unit) -> None:
-        """``u``'s weights into a weight slot (if not there yet) and its parameters pointed at them."""
+    def _load(self, u: Unit, prefetch: bool = False) -> None:
+        """``u``'s weights into a weight slot (if not there yet) and, unless this is a ``prefetch``, its
+        parameters pointed at them."""
         if u.wslot is None:
             slot = self._free_slot(self._wowner)
+            if slot is None:
+                slot = self._evict_prefetched()
             if slot is None:
                 raise ModelStateError(f"{FLAG}: no free device slot for unit {u.index} (units in slots: "
                                       f"{[o.index for o in self._wowner if o is not None]})")
             self._wowner[slot], u.wslot = u, slot
             dst = self.wslots[slot][:u.nbytes]
             if u.host is not None:
-                dst.copy_(u.host, non_blocking=True)
-            else:
+                with self._on_side(self._wfree[slot]):
+                    dst.copy_(u.host, non_blocking=True)
+                    u.ready = self._side.record_event() if self._side is not None else None
+            else:  # on the compute stream, behind the slot's last use
                 assert u.path is not None and self._staging is not None
                 dst.copy_(self._read(u.path, u.nbytes, f"unit {u.index}'s weights"))
             self._charge(u.nbytes)
             self.loads += 1
+            self.bytes_in += u.nbytes
+            u.prefetched = prefetch
+        if prefetch:
+            return
+        u.prefetched = False
+        self._wait(u.ready)
+        u.ready = None
         buf = self.wslots[u.wslot]
         for p in u.params:
             p.param.data = view(buf, p.offset, p.dtype, p.shape)
+
+    def _prefetch(self, index: int) -> None:
+        """Start unit ``index``'s weights into a free slot ahead of its use (``host`` only: a disk read would
+        hold the host up before the current unit's work is even queued)."""
+        if 0 <= index < len(self.units) and self.opts.target == "host" and None in self._wowner:
+            u = self.units[index]
+            if u.wslot is None:
+                self._load(u, prefetch=True)
+                self.prefetches += 1
+
+    def _evict_prefetched(self) -> Optional[int]:
+        for u in self._wowner:
+            if u is not None and u.prefetched:
+                slot = u.wslot
+                self._release(u)
+                return slot
+        return None
+
+    @contextlib.contextmanager
+    def _on_side(self, after: Any) -> Iterator[None]:
+        """Queue the block's copies on the side stream (GPU), behind ``after``, an event of the compute stream
+        (None: nothing to wait for)."""
+        if self._side is None:
+            yield
+            return
+        if after is not None:
+            self._side.wait_event(after)
+        with torch.cuda.stream(self._side):
+            yield
+
+    def _wait(self, event: Any) -> None:
+        """The compute stream waits for ``event`` (a side-stream copy); nothing to wait for on the CPU."""
+        if event is not None:
+            torch.cuda.current_stream(self.opts.device).wait_event(event)
+
+    def _compute_event(self) -> Any:
+        return torch.cuda.current_stream(self.opts.device).record_event() if self._side is not None else None
 
     def _read(self, path: str, nbytes: int, what: str) -> torch.Tensor:
         assert self._staging is not None
@@ -206,7 +264,9 @@ class ModelStateStreamer:
     def _release(self, u: Unit) -> None:
         if u.wslot is None:
             return
+        self._wfree[u.wslot] = self._compute_event()
         self._wowner[u.wslot], u.wslot = None, None
+        u.prefetched, u.ready = False, None
         self._charge(-u.nbytes)
         self._point_off_device(u)
 
@@ -229,6 +289,8 @@ class ModelStateStreamer:
 
     def _pre_forward(self, u: Unit) -> None:
         self._load(u)
+        # the next unit in this pass: a recompute inside backward walks the units backwards
+        self._prefetch(u.index - 1 if torch._C._current_graph_task_id() >= 0 else u.index + 1)
         u.in_forward += 1
         ctx = hooks.packing(_SlotViewPacker(self))
         ctx.__enter__()
@@ -242,12 +304,16 @@ class ModelStateStreamer:
                     t.register_hook(lambda g, u=u: self._pre_backward(u))
         u.in_forward -= 1
         if not u.in_forward and u.gslot is None:
-            self._release(u)
+            if torch._C._current_graph_task_id() >= 0:  # a recompute: the unit's backward comes next
+                u.prefetched = True  # stays unless a load needs its slot first
+            else:
+                self._release(u)
 
     def _pre_backward(self, u: Unit) -> None:
         if u.gslot is not None:  # another output of the unit got there first
             return
         self._load(u)
+        self._prefetch(u.index - 1)
         if u.gslot is None and u.gbytes:
             slot = self._free_slot(self._gowner)
             if slot is None:
@@ -255,6 +321,7 @@ class ModelStateStreamer:
             self._gowner[slot], u.gslot = u, slot
             self._charge(u.gbytes)
             gbuf = self.gslots[slot][:u.gbytes].view(torch.uint8)
+            self._wait(self._gfree[slot])
             gbuf.zero_()
             for p in u.params:
                 if p.goffset >= 0:
@@ -283,6 +350,7 @@ class ModelStateStreamer:
     def _reduce(self, u: Unit, gbuf: torch.Tensor, group: Any) -> None:
         """The last micro-batch: the accumulated gradients join the slot, the slot is summed over ``group`` and
         becomes the accumulator (one reduction per step of what the micro-batches accumulated, as DDP's)."""
+        self._drain()
         if u.has_grad:
             acc = u.ghost if u.ghost is not None else self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
             for p in u.params:
@@ -303,6 +371,9 @@ class ModelStateStreamer:
         self._done(u)
 
     def _accumulate(self, u: Unit, gbuf: torch.Tensor) -> None:
+        if u.ghost is not None and self._side is not None:
+            self._copy_out(u, gbuf)
+            return
         for p in u.params:
             if p.goffset < 0:
                 continue
@@ -321,12 +392,34 @@ class ModelStateStreamer:
                 acc.copy_(gbuf)
             self._write(acc, u.gpath, f"unit {u.index}'s gradients")
 
+    def _copy_out(self, u: Unit, gbuf: torch.Tensor) -> None:
+        """GPU, host accumulator: what earlier micro-batches accumulated is added to the slot on the device,
+        and the slot is copied over the accumulator on the side stream; the slot is reused, and the
+        accumulator read, only after that copy."""
+        assert u.ghost is not None and u.gslot is not None
+        if u.has_grad:
+            self._wait(u.copied_out)
+            for p in u.params:
+                if p.goffset >= 0:
+                    view(gbuf, p.goffset, p.grad_dtype, p.shape).add_(
+                        view(u.ghost, p.goffset, p.grad_dtype, p.shape).to(gbuf.device, non_blocking=True))
+        with self._on_side(self._compute_event()):
+            u.ghost.copy_(gbuf, non_blocking=True)
+            u.copied_out = self._gfree[u.gslot] = self._side.record_event()
+        self._copies_out.append(u.copied_out)
+
+    def _drain(self) -> None:
+        """Wait (on the host) for every gradient copy to the host accumulators."""
+        while self._copies_out:
+            self._copies_out.pop().synchronize()
+
     def _done(self, u: Unit) -> None:
         assert u.gslot is not None
         u.has_grad = True
         self._gowner[u.gslot], u.gslot = None, None
         self._charge(-u.gbytes)
         self.grad_flushes += 1
+        self.bytes_out += u.gbytes
         if not u.in_forward:
             self._release(u)
 
@@ -337,9 +430,13 @@ class ModelStateStreamer:
                 self._flush(u)
             if not u.in_forward:
                 self._release(u)
+        self._drain()
+        if self._side is not None:  # no weight copy still reads a host copy the optimizer is about to update
+            self._side.synchronize()
 
     # ------------------------------------------------------------------ between steps
     def zero_grad(self) -> None:
+        self._drain()
         for u in self.units:
             if u.ghost is not None:
                 u.ghost.zero_()
@@ -347,6 +444,7 @@ class ModelStateStreamer:
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every accumulated main gradient by ``factor`` (Megatron's ``scale_gradients``)."""
+        self._drain()
         for u in self.units:
             if u.ghost is not None:
                 data = u.ghost
@@ -368,6 +466,7 @@ class ModelStateStreamer:
 
     def unit_grads(self, index: int) -> list[Optional[torch.Tensor]]:
         """Unit ``index``'s accumulated main gradients (None where a parameter has none)."""
+        self._drain()
         u = self.units[index]
         if u.ghost is not None:
             data: Optional[torch.Tensor] = u.ghost
@@ -399,6 +498,7 @@ class ModelStateStreamer:
         """Inside the block, unit ``index``'s accumulated gradients are its parameters' ``grad`` and
         ``main_grad`` (zeros where nothing accumulated this step); ``disk`` reads them into the staging
         buffer, so one unit's gradients are on the host at a time."""
+        self._drain()
         u = self.units[index]
         if u.ghost is not None:
             data = u.ghost
