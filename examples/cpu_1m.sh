@@ -12,13 +12,7 @@
 # Extra arguments go to `megatron-longctx run` and win over these, e.g.
 #   examples/cpu_1m.sh --window-size 4096,0 --train-iters 2
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$here"
-if command -v megatron-longctx >/dev/null 2>&1; then
-    run=(megatron-longctx)
-else
-    run=("${PYTHON:-python3}" -m megatron_longctx)
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/shared/cli.sh"  # cd to the repository root; `run`: megatron-longctx
 OUTPUT_DIR="${OUTPUT_DIR:-runs/cpu_1m}"
 SEQ=1048576
 exec "${run[@]}" run --output-dir "$OUTPUT_DIR" --nproc-per-node 2 --no-baseline --no-resume-check \

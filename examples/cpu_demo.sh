@@ -5,13 +5,7 @@
 # Extra arguments go to `megatron-longctx run` (see `megatron-longctx run --help`), e.g.
 #   examples/cpu_demo.sh --seq-length 16384 --cp-comm-type all_gather
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$here"
-if command -v megatron-longctx >/dev/null 2>&1; then
-    run=(megatron-longctx)
-else
-    run=("${PYTHON:-python3}" -m megatron_longctx)
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/shared/cli.sh"  # cd to the repository root; `run`: megatron-longctx
 # What the planner makes of the same shape (an analytic estimate; on CPU it is only indicative).
 "${run[@]}" plan --model custom --num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 \
     --kv-channels 16 --ffn-hidden-size 256 --vocab-size 256 --seq-length 8192 --num-gpus 2 --gpu h100 \

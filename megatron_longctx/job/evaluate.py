@@ -102,15 +102,13 @@ def plan(own: argparse.Namespace, megatron_argv: list[str]) -> tuple[list[str], 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from megatron_longctx.job.pretrain import megatron_training_available
+    from megatron_longctx.job.pretrain import entry_args
     from megatron_longctx.job import checkpoint_guard as guard
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, megatron_argv = build_parser().parse_known_args(argv)
-    reason = megatron_training_available()
-    if reason is not None:
-        print(f"megatron-longctx eval: {reason}", file=sys.stderr)
+    parsed = entry_args("eval", build_parser(), argv)
+    if parsed is None:
         return EXIT_BAD_ARGS
+    own, megatron_argv = parsed
     try:
         worker_argv, settings = plan(own, megatron_argv)
     except (ValueError, guard.CheckpointError) as exc:

@@ -46,11 +46,8 @@ class Stage(NamedTuple):
 
 def _parse_stage(text: str, item: str) -> Stage:
     head, at, tail = item.partition("@")
-    length, sep, steps = head.partition(":")
     try:
-        if not sep:
-            raise ValueError(item)
-        stage = Stage(parse_length(length), int(steps))
+        stage = Stage(*mix_mod.pair(head, parse_length, int))
     except ValueError:
         raise ValueError(f"--stages {text!r}: {item!r} is not LENGTH:STEPS[@SHORT:FRACTION]; write e.g. --stages "
                          f"{STAGES_EXAMPLE}, or 1M:100@4K:0.5 for half the steps on 4K-token batches") from None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 FLAG = "--mix-short"
 _UNITS = {"": 1, "K": 1024, "M": 1024 ** 2}
@@ -40,13 +40,18 @@ def parse_length(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
+def pair(text: str, first: Callable[[str], Any], second: Callable[[str], Any]) -> tuple:
+    """``"A:B"`` as ``(first(A), second(B))``; ``ValueError`` when it is not of that shape."""
+    a, sep, b = text.partition(":")
+    if not sep:
+        raise ValueError(text)
+    return first(a), second(b)
+
+
 def parse(text: str, flag: str = FLAG) -> Mix:
     """``"4K:0.5"`` -> ``Mix(4096, 0.5)``; ``ValueError`` naming ``flag`` and the fix."""
-    short, sep, fraction = text.partition(":")
     try:
-        if not sep:
-            raise ValueError(text)
-        mix = Mix(parse_length(short), float(fraction))
+        mix = Mix(*pair(text, parse_length, float))
     except ValueError:
         raise ValueError(f"{flag} {text!r} is not SHORT:FRACTION; write e.g. 4K:0.5 (half the steps on "
                          "4,096-token sequences)") from None

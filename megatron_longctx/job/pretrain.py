@@ -66,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def entry_args(who: str, parser: argparse.ArgumentParser,
+               argv: Optional[list[str]]) -> Optional[tuple[argparse.Namespace, list[str]]]:
+    """``megatron-longctx <who>``'s own flags and the Megatron flags it passes on, or None after saying on
+    stderr why Megatron's training loop cannot run here."""
+    own, megatron_argv = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    reason = megatron_training_available()
+    if reason is not None:
+        print(f"megatron-longctx {who}: {reason}", file=sys.stderr)
+        return None
+    return own, megatron_argv
+
+
 def megatron_training_available() -> Optional[str]:
     """``None`` when ``megatron.training`` can run the job, else the reason it cannot (imports nothing heavy)."""
     import importlib.metadata
@@ -193,12 +205,10 @@ def run_job(own: argparse.Namespace, megatron_argv: list[str]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, megatron_argv = build_parser().parse_known_args(argv)
-    reason = megatron_training_available()
-    if reason is not None:
-        print(f"megatron-longctx run: {reason}", file=sys.stderr)
+    parsed = entry_args("run", build_parser(), argv)
+    if parsed is None:
         return EXIT_BAD_ARGS
+    own, megatron_argv = parsed
     start = time.perf_counter()
     try:
         rc = run_job(own, megatron_argv)

@@ -68,12 +68,14 @@ def test_recipe_flags_parse_with_megatron(name):
     config_from_args(args)  # the --longctx-* values validate together
 
 
-def test_cpu_demo_runs_the_main_job():
-    assert re.search(r'exec "\$\{run\[@\]\}" run ', _text("cpu_demo.sh"))
+def test_cpu_demo_runs_the_main_job(tmp_path):
+    argv = _recorded_run("cpu_demo.sh", tmp_path, "--seq-length", "16384")
+    assert argv == ["run", "--output-dir", "runs/cpu_demo", "--seq-length", "16384"]
 
 
-def _recorded_run(name: str, tmp_path) -> list[str]:
-    """The arguments ``examples/<name>`` gives ``megatron-longctx`` (a recording one on ``PATH``)."""
+def _recorded_run(name: str, tmp_path, *extra: str) -> list[str]:
+    """The arguments ``examples/<name> extra...`` gives ``megatron-longctx`` last (a recording one on
+    ``PATH``)."""
     import subprocess
 
     bin_dir, record = tmp_path / "bin", tmp_path / "argv"
@@ -83,7 +85,7 @@ def _recorded_run(name: str, tmp_path) -> list[str]:
     stub.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RECORD=str(record),
                OUTPUT_DIR=str(tmp_path / "out"))
-    subprocess.run(["bash", os.path.join(EXAMPLES, name)], env=env, check=True, timeout=60)
+    subprocess.run(["bash", os.path.join(EXAMPLES, name), *extra], env=env, check=True, timeout=60)
     return record.read_bytes().decode().split("\0")[:-1]
 
 
