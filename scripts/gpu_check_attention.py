@@ -224,7 +224,7 @@ def _device_plan(held, steps, device):
 
 def _run_ring(q, k, v, plan, scale, backend, dout=None):
     """Run every rank's ring steps in turn; returns out, lse (and grads) in global order."""
-    from megatron_longctx.attention.block_loop import (GradSum, attend_segments, attend_segments_backward,
+    from megatron_longctx.attention.block_loop import (GradSum, Rows, attend_segments, attend_segments_backward,
                                                        new_accumulators)
 
     held, steps = plan
@@ -255,8 +255,8 @@ def _run_ring(q, k, v, plan, scale, backend, dout=None):
                 qi, ki = q_idx[qs], k_idx[ks]  # global rows of this call group
                 dq_sum, dkv_sum = (GradSum([(q.shape[0], len(x), y.shape[2], y.shape[3]) for y in ys],
                                            torch.float32, q.device) for x, ys in ((qi, (q,)), (ki, (k, v))))
-                attend_segments_backward(dout[:, qi], q[:, qi], k[:, ki], v[:, ki], o_lo[:, qi],
-                                         lse[:, :, qi].contiguous(), calls, scale, backend, dq_sum, dkv_sum)
+                rows = Rows(q[:, qi], o_lo[:, qi], lse[:, :, qi].contiguous(), dout[:, qi])
+                attend_segments_backward(rows, k[:, ki], v[:, ki], calls, scale, backend, dq_sum, dkv_sum)
                 (dq,), (dk, dv) = dq_sum.result(), dkv_sum.result()
                 grads[0][:, qi] += dq
                 grads[1][:, ki] += dk

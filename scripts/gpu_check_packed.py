@@ -111,7 +111,8 @@ class _CallCounter:
 def _ring(q, k, v, dout, sink, packing, cp: int, mask, scale: float, backend: str, counter: _CallCounter):
     """The packed ring of ``cp`` ranks, rank by rank: padded global out, lse, dq, dk, dv and the sinks' grad."""
     from megatron_longctx.attention import schedule
-    from megatron_longctx.attention.block_loop import GradSum, attend_first, attend_segments, attend_segments_backward
+    from megatron_longctx.attention.block_loop import (GradSum, Rows, attend_first, attend_segments,
+                                                       attend_segments_backward)
     from megatron_longctx.attention.layout import SeqLayout
     from megatron_longctx.attention.packed_sharding import gather_packed_shards, shard_packed
     from megatron_longctx.attention.sinks import add_sink, sink_grad
@@ -142,8 +143,8 @@ def _ring(q, k, v, dout, sink, packing, cp: int, mask, scale: float, backend: st
         for i, off in enumerate(plan.offsets):
             j = (r - off) % cp
             dkv = GradSum([ks[j].shape, vs[j].shape], acc, q.device)
-            attend_segments_backward(dos[r], qs[r], ks[j], vs[j], outs[r], lses[r], plan.calls[i][r], scale, backend,
-                                     dq, dkv)
+            attend_segments_backward(Rows(qs[r], outs[r], lses[r], dos[r]), ks[j], vs[j], plan.calls[i][r], scale,
+                                     backend, dq, dkv)
             bwd_calls.append(counter.take())
             dk_j, dv_j = dkv.result()
             dk_acc[j] += dk_j

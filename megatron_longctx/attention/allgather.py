@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .args import AttentionArgs
-from .block_loop import GradSum, attend_segments, attend_segments_backward, new_accumulators
+from .block_loop import GradSum, Rows, attend_segments, attend_segments_backward, new_accumulators
 from .comm import all_gather, pack, reduce_scatter
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .schedule import allgather_calls
@@ -62,25 +62,22 @@ def allgather_forward(
 
 
 def allgather_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
+    rows: Rows,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     group: dist.ProcessGroup,
     layout: SeqLayout,
     args: AttentionArgs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`allgather_forward` in the input dtypes; dK/dV are reduced in the
     accumulator dtype (float32; float64 for float64 inputs)."""
-    p, acc = dist.get_world_size(group), lse.dtype
+    q, p, acc = rows.q, dist.get_world_size(group), rows.lse.dtype
     index = pooled_index(layout, p, q.device)
     k_all, v_all = gather_kv(k, v, group, index)
     calls = allgather_calls(layout, dist.get_rank(group), args.mask)
     dq = GradSum([q.shape], acc, q.device)  # [b, t, h_q, d_qk]
     dkv_all = GradSum([k_all.shape, v_all.shape], acc, q.device)  # [b, P*t, h_kv, d_qk], [b, P*t, h_kv, d_v]
-    attend_segments_backward(dout, q, k_all, v_all, out, lse, calls, args.softmax_scale, args.backend, dq, dkv_all)
+    attend_segments_backward(rows, k_all, v_all, calls, args.softmax_scale, args.backend, dq, dkv_all)
     del k_all, v_all
     (dq,), grads = dq.result(), dkv_all.result()
     del dkv_all

@@ -8,7 +8,7 @@ is merged as it returns, so a step holds one call's partial results, not every c
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -176,24 +176,33 @@ class GradSum:
         return self.buffer
 
 
+class Rows(NamedTuple):
+    """The query side of a backward: ``q`` ``[b, s_q, h_q, d_qk]``, the *final* ``out`` ``[b, s_q, h_q, d_v]``
+    and ``lse`` ``[b, h_q, s_q]`` of every row (over all keys, not one block's), and ``dout`` (like ``out``).
+    The rows stay while the keys they are taken against change (ring steps, tiles, gathered K/V)."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    dout: torch.Tensor
+
+
 def attend_segments_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
+    rows: Rows,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     calls: tuple[BlockCall, ...],
     softmax_scale: float,
     backend: str | None,
     dq: GradSum,
     dkv: GradSum,
 ) -> None:
-    """Backward of :func:`attend_segments` given the *final* ``out``/``lse`` of every query row.
+    """Backward of :func:`attend_segments` for ``rows`` against ``k``/``v`` ``[b, s_k, h_kv, d]``.
 
     Adds each call's gradients to ``dq`` (over ``[b, s_q, h_q, d_qk]``) and ``dkv`` (over dk
     ``[b, s_k, h_kv, d_qk]`` and dv ``[b, s_k, h_kv, d_v]``).
     """
+    q, out, lse, dout = rows
     for backend_module, items in _by_backend(q, k, v, calls, softmax_scale, backend):
         for i, (dq_c, dk_c, dv_c) in _backward_each(backend_module, dout, q, k, v, out, lse, items):
             c = calls[i]  # added as each call returns
@@ -212,9 +221,10 @@ def attend_whole(q, k, v, call: BlockCall, softmax_scale: float, backend: str | 
     return kernel_for(q, k, v, args, backend).forward(q, k, v, args)
 
 
-def attend_whole_backward(dout, q, k, v, out, lse, call: BlockCall, softmax_scale: float, backend: str | None):
-    """The kernel's (dq, dk, dv), in the input dtypes, for one call spanning q and k/v entirely."""
+def attend_whole_backward(rows: Rows, k, v, call: BlockCall, softmax_scale: float, backend: str | None):
+    """The kernel's (dq, dk, dv), in the input dtypes, for one call spanning the rows and k/v entirely."""
     args = _block_args(call, softmax_scale)
+    q, out, lse, dout = rows
     return kernel_for(q, k, v, args, backend).backward(dout, q, k, v, out, lse.contiguous(), args)
 
 
@@ -254,15 +264,16 @@ def attend_local(
 
 
 def attend_local_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    calls: tuple[BlockCall, ...], softmax_scale: float, backend: str | None,
+    rows: Rows, k: torch.Tensor, v: torch.Tensor, calls: tuple[BlockCall, ...], softmax_scale: float,
+    backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`attend_local` in the input dtypes (one whole call: the kernel's, held once)."""
+    q, lse = rows.q, rows.lse
     if whole(calls, q.shape[1], k.shape[1]):
-        return attend_whole_backward(dout, q, k, v, out, lse, calls[0], softmax_scale, backend)
+        return attend_whole_backward(rows, k, v, calls[0], softmax_scale, backend)
     acc = lse.dtype
     dq = GradSum([q.shape], acc, q.device)  # [b, s_q, h_q, d_qk]
     dkv = GradSum([k.shape, v.shape], acc, q.device)  # [b, s_k, h_kv, d_qk], [b, s_k, h_kv, d_v]
-    attend_segments_backward(dout, q, k, v, out, lse, calls, softmax_scale, backend, dq, dkv)
+    attend_segments_backward(rows, k, v, calls, softmax_scale, backend, dq, dkv)
     (dq,), (dk, dv) = dq.result(), dkv.result()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .args import AttentionArgs
 from .block_loop import (
     GradSum,
+    Rows,
     attend_first,
     attend_local,
     attend_local_backward,
@@ -88,12 +89,9 @@ def ring_forward(
 
 
 def ring_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
+    rows: Rows,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     group: dist.ProcessGroup | None,
     schedule: RingSchedule,
     args: AttentionArgs,
@@ -101,7 +99,8 @@ def ring_backward(
     """Gradients of :func:`ring_forward`.
 
     Arguments:
-        dout: ``[b, s/P, h_q, d_v]``; q, k, v, out, lse: as :func:`ring_forward` saw and returned them.
+        rows: q, out and lse as :func:`ring_forward` saw and returned them, dout ``[b, s/P, h_q, d_v]``;
+            k, v: as :func:`ring_forward` saw them.
         group, schedule, args: as for :func:`ring_forward`.
     Returns:
         dq, dk, dv in the input dtypes.
@@ -110,11 +109,10 @@ def ring_backward(
     on to its next holder (home after the last step): as many dK/dV messages as K/V messages, in the
     accumulator dtype (float32; float64 for float64). :class:`.block_loop.GradSum` sums them.
     """
-    rank = _ring_rank(group, schedule)
+    rank, q = _ring_rank(group, schedule), rows.q
     if not schedule.transfers:
-        return attend_local_backward(dout, q, k, v, out, lse, schedule.calls[0][rank], args.softmax_scale,
-                                     args.backend)
-    offsets, acc = schedule.offsets, lse.dtype
+        return attend_local_backward(rows, k, v, schedule.calls[0][rank], args.softmax_scale, args.backend)
+    offsets, acc = schedule.offsets, rows.lse.dtype
     kv_comm, dkv_comm = RingComm(group, tag=0), RingComm(group, tag=1)
     dq = GradSum([q.shape], acc, q.device)  # [b, s/P, h_q, d_qk]
     own = GradSum([k.shape, v.shape], acc, q.device)  # this rank's dK/dV, kept at home
@@ -126,7 +124,7 @@ def ring_backward(
     # compute-bound, and the whole local block first keeps its kernel result as the accumulators.
     short = q.shape[1] <= OVERLAP_MAX_TOKENS
     head, tail = split_for_overlap(local) if short else (local, ())
-    _step_backward(dout, q, k, v, out, lse, head, args, dq, own)
+    _step_backward(rows, k, v, head, args, dq, own)
     incoming = None
     for i in range(1, len(offsets)):
         last = i + 1 == len(offsets)
@@ -139,7 +137,7 @@ def ring_backward(
         # short shards: one flat message [numel(k) + numel(v)]; long ones: dK and dV as they are
         # (a first contribution over every key is the kernel's own gradient, not a copy beside it)
         dkv = GradSum([k.shape, v.shape], acc, q.device, flat=short)
-        _step_backward(dout, q, k_i, v_i, out, lse, schedule.calls[i][rank], args, dq, dkv)
+        _step_backward(rows, k_i, v_i, schedule.calls[i][rank], args, dq, dkv)
         del kv, k_i, v_i
         if last:
             next_kv = None  # the last K/V are not needed while the dK/dV travel
@@ -148,7 +146,7 @@ def ring_backward(
             dkv.add(0, k.shape[1], _received(incoming, k, v))  # dK/dV of the earlier holders
         incoming = _post(dkv_comm, dkv, schedule.hop(i) if not last else -offsets[i])  # to the next holder, or home
         del dkv
-    _step_backward(dout, q, k, v, out, lse, tail, args, dq, own)
+    _step_backward(rows, k, v, tail, args, dq, own)
     dkv_comm.wait()
     own.add(0, k.shape[1], _received(incoming, k, v))  # every other rank's contribution
     (dq,), (dk, dv) = dq.result(), own.result()
@@ -168,16 +166,15 @@ def _received(incoming: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor) ->
     return unpack(incoming[0], (k.shape, v.shape)) if len(incoming) == 1 else incoming
 
 
-def _step_backward(dout, q, k_i, v_i, out, lse, calls, args: AttentionArgs, dq: GradSum, dkv: GradSum) -> None:
-    """Add the gradients of ``calls`` (queries ``q`` against ``k_i``/``v_i``) to ``dq`` and ``dkv``.  One
-    call over the whole block runs without slicing."""
-    if whole(calls, q.shape[1], k_i.shape[1]):
-        dq_i, dk_i, dv_i = attend_whole_backward(dout, q, k_i, v_i, out, lse, calls[0], args.softmax_scale,
-                                                 args.backend)
-        dq.add(0, q.shape[1], [dq_i])
+def _step_backward(rows: Rows, k_i, v_i, calls, args: AttentionArgs, dq: GradSum, dkv: GradSum) -> None:
+    """Add the gradients of ``calls`` (``rows`` against ``k_i``/``v_i``) to ``dq`` and ``dkv``.  One call over
+    the whole block runs without slicing."""
+    if whole(calls, rows.q.shape[1], k_i.shape[1]):
+        dq_i, dk_i, dv_i = attend_whole_backward(rows, k_i, v_i, calls[0], args.softmax_scale, args.backend)
+        dq.add(0, rows.q.shape[1], [dq_i])
         dkv.add(0, k_i.shape[1], [dk_i, dv_i])
         return
-    attend_segments_backward(dout, q, k_i, v_i, out, lse, calls, args.softmax_scale, args.backend, dq, dkv)
+    attend_segments_backward(rows, k_i, v_i, calls, args.softmax_scale, args.backend, dq, dkv)
 
 
 class RingAttention(SinkedAttention):

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .block_loop import Rows
+
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
@@ -74,16 +76,16 @@ def heads_of(sink: torch.Tensor | None, rank: int, size: int) -> torch.Tensor | 
 
 class SinkedAttention(torch.autograd.Function):
     """Autograd of one communication pattern, ``apply(q, k, v, group, plan, args, sink)``: a subclass names
-    the pattern's ``pattern_forward(q, k, v, group, plan, args) -> (out, lse)`` and ``pattern_backward(dout,
-    q, k, v, out, lse, group, plan, args) -> (dq, dk, dv)``; ``sink`` ``[h_q]`` or None is added to each
-    row's merged result and saved with it."""
+    the pattern's ``pattern_forward(q, k, v, group, plan, args) -> (out, lse)`` and ``pattern_backward(rows, k,
+    v, group, plan, args) -> (dq, dk, dv)`` (``rows``: :class:`.block_loop.Rows`); ``sink`` ``[h_q]`` or None
+    is added to each row's merged result and saved with it."""
 
     @staticmethod
     def pattern_forward(q, k, v, group, plan, args):  # pragma: no cover - each pattern defines it
         raise NotImplementedError
 
     @staticmethod
-    def pattern_backward(dout, q, k, v, out, lse, group, plan, args):  # pragma: no cover
+    def pattern_backward(rows, k, v, group, plan, args):  # pragma: no cover
         raise NotImplementedError
 
     @classmethod
@@ -100,6 +102,6 @@ class SinkedAttention(torch.autograd.Function):
     def backward(cls, ctx, dout):
         q, k, v, out, lse, sink = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = cls.pattern_backward(dout, q, k, v, out, lse, ctx.group, ctx.plan, ctx.args)
+        dq, dk, dv = cls.pattern_backward(Rows(q, out, lse, dout), k, v, ctx.group, ctx.plan, ctx.args)
         dsink = sink_grad(dout, out, lse, sink) if any(ctx.needs_input_grad[6:]) else None  # [h_q]
         return dq, dk, dv, None, None, None, dsink

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .allgather import gather_kv, scatter_kv_grads
 from .args import AttentionArgs
-from .block_loop import GradSum, attend_first, attend_segments_backward
+from .block_loop import GradSum, Rows, attend_first, attend_segments_backward
 from .comm import all_gather_in_place, reduce_scatter
 from .layout import SeqLayout, pooled_index
 from .schedule import allgather_calls, allgather_calls_by_rank
@@ -148,6 +148,7 @@ class _TileAttention(torch.autograd.Function):
         if kv.dkv_all is None:
             raise RuntimeError("a tiled attention backward ran without dK/dV accumulators (TiledKV.gather(True))")
         dq = GradSum([qb.shape], lse.dtype, qb.device)  # [b, t', h_q, d_qk]
-        attend_segments_backward(dout.transpose(0, 1).contiguous(), qb, kv.k_all, kv.v_all, out, lse, ctx.calls,
-                                 kv.args.softmax_scale, kv.args.backend, dq, kv.dkv_all)
+        rows = Rows(qb, out, lse, dout.transpose(0, 1).contiguous())  # dout [b, t', h_q, d_v]
+        attend_segments_backward(rows, kv.k_all, kv.v_all, ctx.calls, kv.args.softmax_scale, kv.args.backend, dq,
+                                 kv.dkv_all)
         return dq.result()[0].to(qb.dtype).transpose(0, 1), None, None, None

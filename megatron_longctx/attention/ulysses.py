@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .args import AttentionArgs, kv_replication
-from .block_loop import attend_local_backward
+from .block_loop import Rows, attend_local_backward
 from .comm import all_to_all, all_to_all_rows
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
 from .ring import RingAttention
@@ -234,7 +234,8 @@ class HeadsAttention(RingAttention):
         dsink = sink_grad(dout, out, lse, sink) if any(ctx.needs_input_grad[6:]) else None
         pieces = head_pieces(q.shape[2], k.shape[2])
         if len(pieces) == 1:
-            return (*attend_local_backward(dout, q, k, v, out, lse, calls, scale, backend), None, None, None, dsink)
+            return (*attend_local_backward(Rows(q, out, lse, dout), k, v, calls, scale, backend), None, None, None,
+                    dsink)
         grads = q.detach(), k.detach(), v.detach()  # written over, piece by piece
         # The kernels take dout contiguous (the CPU op copies a strided one on every call): each piece's
         # is copied into one buffer, the size of the widest piece.
@@ -242,8 +243,8 @@ class HeadsAttention(RingAttention):
         for hq, hk in pieces:
             strided = dout[:, :, hq]
             dout_p = flat[:strided.numel()].view(strided.shape).copy_(strided)
-            piece = attend_local_backward(dout_p, q[:, :, hq], k[:, :, hk], v[:, :, hk], out[:, :, hq],
-                                          lse[:, hq], calls, scale, backend)
+            rows = Rows(q[:, :, hq], out[:, :, hq], lse[:, hq], dout_p)
+            piece = attend_local_backward(rows, k[:, :, hk], v[:, :, hk], calls, scale, backend)
             for grad, heads, g in zip(grads, (hq, hk, hk), piece):
                 grad[:, :, heads] = g
             del piece

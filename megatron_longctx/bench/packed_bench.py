@@ -24,7 +24,7 @@ import torch
 
 from megatron_longctx.attention.layout import Packing, SeqLayout
 from megatron_longctx.attention.schedule import ring_schedule
-from megatron_longctx.attention.block_loop import attend_local, attend_local_backward
+from megatron_longctx.attention.block_loop import Rows, attend_local, attend_local_backward
 from megatron_longctx.kernels import select
 from megatron_longctx.kernels.base import BlockMask
 from megatron_longctx.bench import harness
@@ -75,7 +75,7 @@ def measure(lengths: list[int], mask: BlockMask, backend: str, repeats: int, hea
 
     def step():
         out, lse = attend_local(q, k, v, calls, scale, backend)
-        attend_local_backward(dout, q, k, v, out, lse, calls, scale, backend)
+        attend_local_backward(Rows(q, out, lse, dout), k, v, calls, scale, backend)
 
     step()  # warm-up (and the schedule's caches)
     with _Counter(select.BACKENDS[backend]) as counter:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from megatron_longctx.attention.block_loop import GradSum, attend_segments_backward
+from megatron_longctx.attention.block_loop import GradSum, Rows, attend_segments_backward
 from megatron_longctx.attention.layout import dense_layout
 from megatron_longctx.attention.schedule import ring_schedule
 from megatron_longctx.attention.segments import split_for_overlap, visible_pairs
@@ -102,7 +102,7 @@ def test_split_local_block_gradients_match_float64(mask, backend):
     dkv = GradSum([k.shape, v.shape], torch.float64, q.device, flat=True)
     out, lse = out.detach(), lse.detach()
     for part in (head, tail):
-        attend_segments_backward(dout, q, k, v, out, lse, part, scale, backend, dq, dkv)
+        attend_segments_backward(Rows(q, out, lse, dout), k, v, part, scale, backend, dq, dkv)
     for got, ref in zip(dq.result() + dkv.result(), want):
         assert_close(got, ref, rtol=1e-10, atol=1e-10)
 

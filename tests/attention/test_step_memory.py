@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_longctx.attention.block_loop import attend_local, attend_local_backward
+from megatron_longctx.attention.block_loop import Rows, attend_local, attend_local_backward
 from megatron_longctx.kernels.base import BlockMask
 from megatron_longctx.attention.segments import Segment, schedule_blocks, split_keys
 from megatron_longctx.bench.live_memory import LiveTensors
@@ -27,7 +27,7 @@ def _step_peak(calls) -> tuple[int, int]:
     with LiveTensors() as forward:
         out, lse = attend_local(q, k, v, calls, D ** -0.5, "cpu_flash")
     with LiveTensors() as backward:
-        grads = attend_local_backward(dout, q, k, v, out, lse, calls, D ** -0.5, "cpu_flash")
+        grads = attend_local_backward(Rows(q, out, lse, dout), k, v, calls, D ** -0.5, "cpu_flash")
     del grads
     return forward.peak, backward.peak
 
