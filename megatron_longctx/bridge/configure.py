@@ -146,6 +146,16 @@ def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: 
                 raise _field_error(name, True, f"Megatron's activation offload would run together with "
                                                f"megatron-longctx's (offload_policy={longctx.memory.offload_policy!r}); "
                                                f"set model.{name}=false, or drop offload_policy")
+    ms = longctx.model_states
+    if ms.enabled:
+        if getattr(model, "cpu_offloading", False):
+            raise _field_error("cpu_offloading", True, f"Megatron's offload would move the weights the model-state "
+                                                        f"offload streams (model_state_offload={ms.model_state_offload!r}); "
+                                                        "set model.cpu_offloading=false, or drop model_state_offload")
+        if ms.model_state_offload == "disk":
+            raise ValueError(f"{PREFIX}: model_state_offload='disk' keeps the weights in files that Bridge's "
+                             "checkpointing does not read back; use model_state_offload='host' (pinned host "
+                             "memory), or train with `megatron-longctx run` or the launcher for 'disk'")
     if longctx.memory.recompute_enabled and not recompute_moved and getattr(model, "recompute_granularity", None):
         raise _field_error("recompute_granularity", model.recompute_granularity,
                            f"Megatron's recompute would run together with megatron-longctx's "
@@ -168,10 +178,6 @@ class LongContextModelHook:
         from megatron_longctx.megatron.plugin import LongContextPlugin
 
         cfg = LongContextConfig.from_flat(self.options)
-        if cfg.model_states.enabled:  # Bridge builds its optimizer outside megatron.training: not wired
-            raise ValueError(f"{PREFIX}: model_state_offload={cfg.model_states.model_state_offload!r} is not wired "
-                             "into Megatron-Bridge's training loop in this version; drop it (it works through "
-                             "`megatron-longctx run` and the launcher)")
         check_built_model(model)
         LongContextPlugin(cfg).install_and_report(model, who=PREFIX)
         return model

@@ -1,7 +1,7 @@
 """Megatron-Bridge's own ``pretrain()`` with megatron-longctx, on 2 gloo CPU ranks: the ``vanilla_gpt`` recipe
 at tiny size, 3 steps; context parallelism (ring = Bridge's p2p, allgather, ulysses = a2a) gives the losses of
-CP=1 (data parallel over the same global batch), and so do the memory features; a run saved and resumed from
-its checkpoint's ``run_config.yaml`` continues bit for bit.  Runs where ``megatron.bridge`` imports
+CP=1 (data parallel over the same global batch), and so do the memory features; the model-state offload keeps
+them to the bit; a run saved and resumed from its checkpoint's ``run_config.yaml`` continues bit for bit.  Runs where ``megatron.bridge`` imports
 (``make test-bridge``); skips elsewhere."""
 
 from __future__ import annotations
@@ -52,12 +52,13 @@ def tiny_recipe(cp: int):
 
 
 def _train(cp: int, steps: int = STEPS, save_at: int | None = None, save: str | None = None, resume: str | None = None,
-           **longctx) -> list[float]:
+           clip_grad: float | None = None, **longctx) -> list[float]:
     """Rank body: Bridge's pretrain() of the tiny recipe; the global loss of each step (mean over its tokens).
 
     ``save_at``: stop after that step and save to ``save`` (Bridge's ``train.exit_interval``; the run is otherwise
     the ``steps`` run: the same schedule and data).  ``resume``: a checkpoint directory whose
-    last iteration's ``run_config.yaml`` gives the layer spec (our spec object and options), trained on to ``steps``."""
+    last iteration's ``run_config.yaml`` gives the layer spec (our spec object and options), trained on to ``steps``.
+    ``clip_grad``: the optimizer's (None: the recipe's, 1.0)."""
     import_bridge()
     import torch
     import torch.distributed as dist
@@ -85,6 +86,8 @@ def _train(cp: int, steps: int = STEPS, save_at: int | None = None, save: str | 
     if resume is not None:  # the recipe again, with the spec object (and our options) from run_config.yaml
         cfg.model.transformer_layer_spec = _saved_layer_spec(resume)
         cfg.checkpoint.load = resume
+    if clip_grad is not None:
+        cfg.optimizer.clip_grad = clip_grad
     cfg.train.train_iters, cfg.train.exit_interval = steps, save_at
     cfg.checkpoint.save = save
     cfg = configure(cfg, **longctx)
@@ -147,6 +150,18 @@ def test_memory_features_keep_the_losses(cp1_losses):
                               tiled_loss_tiles=2)
     _log("bridge vanilla_gpt CP=2 ring + layer offload, tiled MLP, tiled loss", first)
     assert first == second == pytest.approx(cp1_losses, rel=1e-5)
+
+
+def test_model_state_offload_host_keeps_the_losses(cp1_losses):
+    """Bridge's loop with the weights and gradients streamed per layer from host memory (installed when
+    Bridge builds its optimizer): without gradient clipping, the losses of the same CP=2 ring run without
+    it to the bit; with the recipe's clipping (1.0), those of CP=1 as every CP=2 run here."""
+    plain, _ = run_ranks(2, _train, 2, clip_grad=0.0, cp_algorithm="ring")
+    first, second = run_ranks(2, _train, 2, clip_grad=0.0, cp_algorithm="ring", model_state_offload="host")
+    assert first == second == plain
+    clipped, _ = run_ranks(2, _train, 2, cp_algorithm="ring", model_state_offload="host")
+    _log("bridge vanilla_gpt CP=2 ring + model-state offload host", clipped)
+    assert clipped == pytest.approx(cp1_losses, rel=1e-5)
 
 
 def test_save_and_resume_from_run_config_continue_bit_for_bit(tmp_path):

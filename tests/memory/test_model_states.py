@@ -414,23 +414,39 @@ def test_cp2_bit_for_bit(algorithm: str, recompute: bool) -> None:
     run_ranks(2, _cp_body, algorithm, recompute)
 
 
-def test_bridge_refuses_and_megatron_training_defers() -> None:
-    """No silent no-op: Bridge's hook refuses the flag by name; the launcher's and `run`'s installer defers
-    the install to Megatron's optimizer build (after DDP), patching ``get_megatron_optimizer`` once."""
+def test_bridge_refuses_disk_and_training_loops_defer() -> None:
+    """Bridge's configure refuses ``disk`` by name (Bridge's checkpointing would not read the files back) and
+    Megatron's ``cpu_offloading`` beside the flag; the installer defers the install to the optimizer's build
+    (after DDP), patching ``get_megatron_optimizer`` of Megatron-LM's loop and, once Bridge's optimizer module
+    is imported, of Bridge's, each once."""
+    import sys
+    import types
+
     training = pytest.importorskip("megatron.training.training", reason="the deferred install patches megatron.training")
 
-    from megatron_longctx.bridge.configure import LongContextModelHook
-    from megatron_longctx.megatron.features.model_states import FEATURE
+    from megatron_longctx.bridge.configure import check_model_config
     from megatron_longctx.config import LongContextConfig
+    from megatron_longctx.megatron.features.model_states import BRIDGE_OPTIMIZER_MODULES, FEATURE
     from megatron_longctx.megatron.memory_spec import install_and_report
 
-    with pytest.raises(ValueError, match=r"model_state_offload='host' is not wired into Megatron-Bridge.*drop it"):
-        LongContextModelHook({"model_state_offload": "host"})([torch.nn.Linear(2, 2)])
+    disk = LongContextConfig.from_flat({"model_state_offload": "disk"})
+    with pytest.raises(ValueError, match=r"model_state_offload='disk'.*use model_state_offload='host'"):
+        check_model_config(types.SimpleNamespace(), disk)
+    host = LongContextConfig.from_flat({"model_state_offload": "host"})
+    with pytest.raises(ValueError, match=r"model.cpu_offloading.*set model.cpu_offloading=false"):
+        check_model_config(types.SimpleNamespace(cpu_offloading=True), host)
+    check_model_config(types.SimpleNamespace(), host)  # host goes through Bridge
+
+    bridge_optim = types.ModuleType(BRIDGE_OPTIMIZER_MODULES[0])  # Bridge's module, as its loop imports it
+    bridge_optim.get_megatron_optimizer = bridge_original = lambda *a, **k: None
     original = training.get_megatron_optimizer
-    cfg = LongContextConfig.from_flat({"model_state_offload": "host"})
-    assert install_and_report(torch.nn.Linear(2, 2), cfg) is None
+    sys.modules[bridge_optim.__name__] = bridge_optim
     try:
+        assert install_and_report(torch.nn.Linear(2, 2), host) is None
         assert training.get_megatron_optimizer is not original
+        assert bridge_optim.get_megatron_optimizer is not bridge_original
     finally:
-        FEATURE.pending.undo()
-    assert training.get_megatron_optimizer is original
+        for pending in FEATURE.pending:
+            pending.undo()
+        del sys.modules[bridge_optim.__name__]
+    assert training.get_megatron_optimizer is original and bridge_optim.get_megatron_optimizer is bridge_original

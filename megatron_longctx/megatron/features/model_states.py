@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,6 +36,11 @@ from megatron_longctx.megatron.features.base import Built, Feature, Installed, u
 from megatron_longctx.memory.host_pool import HostPool
 from megatron_longctx.memory.model_states import FLAG, ModelStateStreamer, StreamOptions
 from megatron_longctx.patching import patch
+
+
+# Megatron-Bridge's module that builds its optimizer (with megatron-core's get_megatron_optimizer, imported
+# into it): patched beside Megatron-LM's when Bridge's training loop is the one running.
+BRIDGE_OPTIMIZER_MODULES = ("megatron.bridge.training.optim",)
 
 
 def _units(chunk: torch.nn.Module) -> list[Any]:
@@ -136,15 +143,18 @@ class ModelStatesFeature(Feature):
         return installed
 
     def defer(self, model: Any, cfg: LongContextConfig, who: str, line: Optional[str]) -> None:
-        """Install when Megatron builds the optimizer over the DDP-wrapped ``model`` (its next
-        ``get_megatron_optimizer`` call); then rank 0 prints the "memory features:" line (``line``: what the
-        other features installed) with the model states in it."""
+        """Install when the training loop builds the optimizer over the DDP-wrapped ``model`` (the next
+        ``get_megatron_optimizer`` call of Megatron-LM's loop, or of Megatron-Bridge's when it is running);
+        then rank 0 prints the "memory features:" line (``line``: what the other features installed) with the
+        model states in it."""
         import megatron.training.training as training
 
-        holder: dict[str, Any] = {}
+        builders = [training] + [sys.modules[name] for name in BRIDGE_OPTIMIZER_MODULES if name in sys.modules]
+        patches: list = []
 
-        def get_megatron_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
-            holder["patch"].undo()
+        def build(original: Callable[..., Any], config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
+            for p in patches:
+                p.undo()
             if unwrap(model_chunks)[0] is not unwrap(model)[0]:
                 raise RuntimeError(f"{FLAG}: the optimizer is built over another model than the one installed")
             built = Built.of(model_chunks)
@@ -156,12 +166,14 @@ class ModelStatesFeature(Feature):
             if os.environ.get("RANK", "0") == "0":
                 parts = [p for p in (line, f"{self.name}: {installed.description}") if p]
                 print(f"{who}: memory features: {'; '.join(parts)}", flush=True)
-            optimizer = holder["original"](config, model_chunks, *args, **kwargs)
+            optimizer = original(config, model_chunks, *args, **kwargs)
             return streamer_install_optimizer(optimizer)
 
-        holder["original"] = training.get_megatron_optimizer
-        holder["patch"] = self.pending = patch(training, "get_megatron_optimizer", get_megatron_optimizer,
-                                reason=f"{FLAG}: install the streamer once DDP has wrapped the model")
+        for module in builders:
+            patches.append(patch(module, "get_megatron_optimizer",
+                                 functools.partial(build, module.get_megatron_optimizer),
+                                 reason=f"{FLAG}: install the streamer once DDP has wrapped the model"))
+        self.pending = patches
 
 
 def _close(installed: Installed) -> None:
