@@ -57,6 +57,8 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
         spec = LongContextLayerSpec(base=model.transformer_layer_spec, options=options)
         longctx, options = _config(spec), spec.options
     check_model_config(model, longctx, recompute_moved=moved)
+    if longctx.model_states.enabled:
+        check_model_state_training(cfg)
     # made before anything changes: a refusal leaves the config as it was
     field, value = (("hybrid_stack_spec", _hybrid_stack_spec(model, longctx)) if hybrid
                     else ("transformer_layer_spec", spec))
@@ -165,6 +167,19 @@ def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: 
         _check_kernel_backend(longctx.cp.backend)
     except ValueError as err:
         raise ValueError(f"{PREFIX}: {err}") from None
+
+
+def check_model_state_training(cfg: Any) -> None:
+    """The training settings of a ``ConfigContainer`` the model-state offload refuses, each named with its fix
+    (the streamer reduces each layer's gradients itself, over buffers the distributed optimizer would shard)."""
+    for section, name, fix in (("ddp", "use_distributed_optimizer", "false"),
+                               ("optimizer", "use_distributed_optimizer", "false"),
+                               ("ddp", "overlap_grad_reduce", "false"),
+                               ("ddp", "average_in_collective", "false")):
+        if getattr(getattr(cfg, section, None), name, False):
+            raise ValueError(f"{PREFIX}: model_state_offload streams each layer's weights and reduces its gradients "
+                             f"itself; {section}.{name}=True does not go with it: set {section}.{name}={fix}, or "
+                             "drop model_state_offload")
 
 
 @dataclasses.dataclass

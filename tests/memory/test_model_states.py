@@ -424,7 +424,7 @@ def test_bridge_refuses_disk_and_training_loops_defer() -> None:
 
     training = pytest.importorskip("megatron.training.training", reason="the deferred install patches megatron.training")
 
-    from megatron_longctx.bridge.configure import check_model_config
+    from megatron_longctx.bridge.configure import check_model_config, check_model_state_training
     from megatron_longctx.config import LongContextConfig
     from megatron_longctx.megatron.features.model_states import BRIDGE_OPTIMIZER_MODULES, FEATURE
     from megatron_longctx.megatron.memory_spec import install_and_report
@@ -436,6 +436,12 @@ def test_bridge_refuses_disk_and_training_loops_defer() -> None:
     with pytest.raises(ValueError, match=r"model.cpu_offloading.*set model.cpu_offloading=false"):
         check_model_config(types.SimpleNamespace(cpu_offloading=True), host)
     check_model_config(types.SimpleNamespace(), host)  # host goes through Bridge
+    recipe = types.SimpleNamespace(ddp=types.SimpleNamespace(use_distributed_optimizer=True),
+                                   optimizer=types.SimpleNamespace(use_distributed_optimizer=True))
+    with pytest.raises(ValueError, match=r"ddp.use_distributed_optimizer=True.*set ddp.use_distributed_optimizer=false"):
+        check_model_state_training(recipe)
+    recipe.ddp.use_distributed_optimizer = recipe.optimizer.use_distributed_optimizer = False
+    check_model_state_training(recipe)
 
     bridge_optim = types.ModuleType(BRIDGE_OPTIMIZER_MODULES[0])  # Bridge's module, as its loop imports it
     bridge_optim.get_megatron_optimizer = bridge_original = lambda *a, **k: None
