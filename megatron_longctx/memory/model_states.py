@@ -110,7 +110,7 @@ class ModelStateStreamer:
         self._copies_out: list = []  # events of gradient copies to the host not waited for yet
         self.resident = 0  # bytes of parameters and gradients now in device slots
         self.peak_resident = 0
-        self.loads = self.grad_flushes = self.prefetches = 0
+        self.loads = self.grad_flushes = self.prefetches = self.evictions = 0  # evictions: of units held ahead
         self.bytes_in = self.bytes_out = 0  # weights copied into slots; gradients copied out of them
         self.sync_grads = True  # False for all but a step's last micro-batch (as DDP's no_sync)
         self._forward_ctx: list = []
@@ -231,6 +231,7 @@ class ModelStateStreamer:
             if u is not None and u.prefetched:
                 slot = u.wslot
                 self._release(u)
+                self.evictions += 1
                 return slot
         return None
 
