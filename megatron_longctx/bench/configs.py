@@ -148,23 +148,26 @@ def default_configs(cp: int) -> list[BenchConfig]:
 # Model-state offload rows: a plugin row with every parameter's weights, main gradients and Adam moments
 # streamed per layer from host memory or disk (--longctx-model-state-offload).  They are searched on request
 # (``--configs``/``--max-seq-configs``), and have their own headline (a model whose states are most of the
-# budget, ``--preset llama-states``); the default sweep and headline leave them out.
-MODEL_STATE_BASES = ("ring+all", "allgather+all")
+# budget, ``--preset llama-states``); the default sweep and headline leave them out.  Their activation
+# features are ring's recompute + checkpoint offload, and the tiled MLP; not the tiled loss (its output
+# weight is used outside the output layer's forward, where the streamer does not bring it in).
+MODEL_STATE_BASES = {"ring+offload": ("recompute + checkpoint offload", ()),
+                     "ring+offload+mlp": ("recompute + checkpoint offload + tiled MLP", (("tiled_mlp_tiles", 4),))}
 MODEL_STATE_TARGETS = ("disk", "host")
 
 
 def model_state_configs(cp: int) -> list[BenchConfig]:
     """``<base>+states-<target>`` for each base of :data:`MODEL_STATE_BASES` and each target."""
-    by_name = {c.name: c for c in default_configs(cp)}
     out = []
     for target in MODEL_STATE_TARGETS:
-        for base in MODEL_STATE_BASES:
-            c, name = by_name[base], f"{base}+states-{target}"
-            options = c.variant.longctx_options + (("model_state_offload", target),)
-            out.append(BenchConfig(name, f"{c.description}; weights, main gradients and Adam moments streamed per "
-                                         f"layer from {target} (--longctx-model-state-offload {target})",
-                                   dataclasses.replace(c.variant, name=name, longctx_options=options),
-                                   min_cp=c.min_cp))
+        for base, (what, extra) in MODEL_STATE_BASES.items():
+            name = f"{base}+states-{target}"
+            options = (("cp_algorithm", "ring"), ("lean_norm", True)) + offload_options() + extra + (
+                ("model_state_offload", target),)
+            out.append(BenchConfig(name, f"plugin, CP={cp}, ring, {what}; weights, main gradients and Adam moments "
+                                         f"streamed per layer from {target} (--longctx-model-state-offload {target})",
+                                   Variant(name=name, context_parallel_size=cp, plugin=True, longctx_options=options),
+                                   min_cp=2))
     return out
 
 
