@@ -259,8 +259,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
         streamed = {c.name for c in configs if streams_model_states(c)}
         roles = {c["name"]: c["role"] for c in result["configs"] if c["name"] not in streamed}
         result["max_seq"].update(max_seq_headline(result["max_seq"]["results"], roles, REFERENCE))
-        log(headline_line(result["max_seq"]))
         states = model_states_headline(result["max_seq"]["results"], roles, streamed)
+        if states is None or result["max_seq"]["best_plugin"]:  # else only model-state rows trained
+            log(headline_line(result["max_seq"]))
         if states is not None:
             result["max_seq"]["model_states_headline"] = states
             log(model_states_line(states))

@@ -134,7 +134,7 @@ def _max_seq_lines(ms: Optional[dict[str, Any]]) -> list[str]:
     for name, r in ms["results"].items():
         bound = "≥ " if r.get("at_cap") else ""
         lines.append(f"- {name}: {bound}{r['max_seq']} tokens ({len(r['probes'])} probes)")
-    if "max_seq_ratio_vs_strongest" in ms:
+    if "max_seq_ratio_vs_strongest" in ms and (ms.get("best_plugin") or not ms.get("model_states_headline")):
         lines += ["", f"**{headline_line(ms)}**"]
     if ms.get("model_states_headline"):
         lines += ["", f"**{model_states_line(ms['model_states_headline'])}**"]
