@@ -8,6 +8,10 @@ checkpoints (the main job, :mod:`megatron_longctx.job.pretrain`, runs Megatron-L
 loop and its checkpoints).  On a CPU-only process everything runs under
 :func:`megatron_longctx.megatron.cpu_compat.enabled`.
 
+A variant with ``model_state_offload`` (``host``/``disk``) gets the plugin's model-state streamer over DDP and
+its optimizer hooks over Megatron's optimizer (:mod:`megatron_longctx.bench.model_states`); the other memory
+features go on the bare model before DDP, as in Megatron's training loop.
+
 There is no substitute path: should Megatron's DDP grad sync or optimizer fail (say a Megatron version
 that allocates on ``"cuda"`` somewhere cpu_compat does not know), the step raises that error, so a run
 never measures a plain equivalent under Megatron's name.
@@ -162,15 +166,21 @@ def over_budget_exit(used: int, budget: int) -> None:
     os._exit(EXIT_OVER_BUDGET)
 
 
-def preimport_megatron() -> None:
-    """Import what a run builds before memory is measured, so no measurement pays for module loading."""
+_PREIMPORTED = ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+                "megatron.core.pipeline_parallel", "megatron.core.models.gpt.gpt_layer_specs",
+                "megatron.core.datasets.gpt_dataset", "megatron_longctx.megatron.spec",
+                "megatron_longctx.megatron.core_attention", "megatron_longctx.megatron.plugin",
+                "megatron_longctx.kernels.select")
+
+
+def preimport_megatron(model_states: bool = False) -> None:
+    """Import what a run builds before memory is measured, so no measurement pays for module loading
+    (``model_states``: also what the model-state rows' optimizer hooks import, Megatron's training loop)."""
     import importlib
 
-    for name in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
-                 "megatron.core.pipeline_parallel", "megatron.core.models.gpt.gpt_layer_specs",
-                 "megatron.core.datasets.gpt_dataset", "megatron_longctx.megatron.spec",
-                 "megatron_longctx.megatron.core_attention", "megatron_longctx.megatron.plugin",
-                 "megatron_longctx.kernels.select"):
+    extra = ("megatron.training.training", "megatron_longctx.megatron.features.model_states",
+             "megatron_longctx.megatron.offdevice_optimizer") if model_states else ()
+    for name in extra + _PREIMPORTED:
         try:
             importlib.import_module(name)
         except ImportError:  # a missing plugin module shows up where it is used, with its reason

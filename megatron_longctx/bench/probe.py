@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_longctx.megatron import cpu_compat
-from megatron_longctx.bench.configs import all_configs, tiles_for
+from megatron_longctx.bench.configs import all_configs, streams_model_states, tiles_for
 from megatron_longctx import data as data_mod
 from megatron_longctx.bench.engine import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
                                                 over_budget_exit, preimport_megatron, run_steps)
@@ -117,7 +117,8 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
 
 
 def run_task(task: dict[str, Any]) -> list[dict[str, Any]]:
-    preimport_megatron()
+    streamed = {c.name for c in all_configs(task["cp"]) if streams_model_states(c)}
+    preimport_megatron(model_states=bool(streamed & set(task["configs"])))
     records: list[dict[str, Any]] = []
     tokenizer = data_mod.ByteTokenizer()
     longest = max(task["seq_lengths"])
