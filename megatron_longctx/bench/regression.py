@@ -84,11 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank memory budget of the max-sequence search (default on CPU: 160 for the llama "
-                        "preset, 64 for tiny, each + 2 bytes per parameter with --bf16; 80%% of the GPU)")
+                        "preset, 200 for llama-states, 64 for tiny, each + 2 bytes per parameter with --bf16; "
+                        "80%% of the GPU)")
     p.add_argument("--max-seq-configs", default=",".join(MAX_SEQ_DEFAULT),
                    help="configurations searched for max sequence (the headline is the best plugin one over the "
-                        "strongest baseline one; the model-state rows <ring|allgather>+all+states-<disk|host>, "
-                        "named in --configs too, have their own headline over the same baselines)")
+                        "strongest baseline one; the model-state rows ring+offload[+mlp]+states-<disk|host>, named "
+                        "in --configs too, have their own headline over the same baselines)")
     p.add_argument("--max-seq-start", type=int, default=512, help="first probe length of the search")
     p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
     p.add_argument("--max-seq-resolution", type=float, default=0.1, help="bisection stops at this relative gap")
