@@ -145,6 +145,41 @@ def default_configs(cp: int) -> list[BenchConfig]:
     ]
 
 
+# Model-state offload rows: a plugin row with every parameter's weights, main gradients and Adam moments
+# streamed per layer from host memory or disk (--longctx-model-state-offload).  They are searched on request
+# (``--configs``/``--max-seq-configs``), and have their own headline (a model whose states are most of the
+# budget, ``--preset llama-states``); the default sweep and headline leave them out.  Their activation
+# features are ring's recompute + checkpoint offload, and the tiled MLP; not the tiled loss (it uses the
+# output weight after the output layer's forward has returned: the step fails in the streamer's gradient hook).
+MODEL_STATE_BASES = {"ring+offload": ("recompute + checkpoint offload", ()),
+                     "ring+offload+mlp": ("recompute + checkpoint offload + tiled MLP", (("tiled_mlp_tiles", 4),))}
+MODEL_STATE_TARGETS = ("disk", "host")
+
+
+def model_state_configs(cp: int) -> list[BenchConfig]:
+    """``<base>+states-<target>`` for each base of :data:`MODEL_STATE_BASES` and each target."""
+    out = []
+    for target in MODEL_STATE_TARGETS:
+        for base, (what, extra) in MODEL_STATE_BASES.items():
+            name = f"{base}+states-{target}"
+            options = (("cp_algorithm", "ring"), ("lean_norm", True)) + offload_options() + extra + (
+                ("model_state_offload", target),)
+            out.append(BenchConfig(name, f"plugin, CP={cp}, ring, {what}; weights, main gradients and Adam moments "
+                                         f"streamed per layer from {target} (--longctx-model-state-offload {target})",
+                                   Variant(name=name, context_parallel_size=cp, plugin=True, longctx_options=options),
+                                   min_cp=2))
+    return out
+
+
+def all_configs(cp: int) -> list[BenchConfig]:
+    """:func:`default_configs` and the model-state rows (:func:`model_state_configs`)."""
+    return default_configs(cp) + model_state_configs(cp)
+
+
+def streams_model_states(config: BenchConfig) -> bool:
+    return config.variant.options().get("model_state_offload", "none") != "none"
+
+
 def unfused_scores_bytes(shape: dict[str, Any], seq_length: int) -> int:
     """Bytes per rank the unfused attention keeps for backward: scores and probabilities, float32, every layer."""
     return 8 * shape["num_layers"] * shape["num_attention_heads"] * seq_length ** 2
@@ -169,6 +204,9 @@ def unavailable_reason(config: BenchConfig, cp: int, num_query_groups: int) -> O
     if cp < config.min_cp:
         return f"needs CP >= {config.min_cp}, the benchmark runs CP={cp} (launch with --nproc-per-node {config.min_cp})"
     options = variant.options()
+    if options.get("model_state_offload") == "host" and not _gpu():
+        return ("--longctx-model-state-offload host keeps the model states in host memory, which on a CPU-only "
+                "machine is the memory the ranks train in: run the +states-disk rows")
     if options.get("cp_algorithm") == "ulysses" and num_query_groups % cp:
         return f"Ulysses splits heads: --num-query-groups {num_query_groups} is not a multiple of CP={cp}"
     try:
@@ -176,6 +214,12 @@ def unavailable_reason(config: BenchConfig, cp: int, num_query_groups: int) -> O
     except ValueError as exc:
         return f"invalid options ({exc})"
     return None
+
+
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def select(configs: list[BenchConfig], names: Optional[list[str]]) -> list[BenchConfig]:

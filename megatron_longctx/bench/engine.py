@@ -8,6 +8,10 @@ checkpoints (the main job, :mod:`megatron_longctx.job.pretrain`, runs Megatron-L
 loop and its checkpoints).  On a CPU-only process everything runs under
 :func:`megatron_longctx.megatron.cpu_compat.enabled`.
 
+A variant with ``model_state_offload`` (``host``/``disk``) gets the plugin's model-state streamer over DDP and
+its optimizer hooks over Megatron's optimizer (:mod:`megatron_longctx.bench.model_states`); the other memory
+features go on the bare model before DDP, as in Megatron's training loop.
+
 There is no substitute path: should Megatron's DDP grad sync or optimizer fail (say a Megatron version
 that allocates on ``"cuda"`` somewhere cpu_compat does not know), the step raises that error, so a run
 never measures a plain equivalent under Megatron's name.
@@ -162,15 +166,21 @@ def over_budget_exit(used: int, budget: int) -> None:
     os._exit(EXIT_OVER_BUDGET)
 
 
-def preimport_megatron() -> None:
-    """Import what a run builds before memory is measured, so no measurement pays for module loading."""
+_PREIMPORTED = ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+                "megatron.core.pipeline_parallel", "megatron.core.models.gpt.gpt_layer_specs",
+                "megatron.core.datasets.gpt_dataset", "megatron_longctx.megatron.spec",
+                "megatron_longctx.megatron.core_attention", "megatron_longctx.megatron.plugin",
+                "megatron_longctx.kernels.select")
+
+
+def preimport_megatron(model_states: bool = False) -> None:
+    """Import what a run builds before memory is measured, so no measurement pays for module loading
+    (``model_states``: also what the model-state rows' optimizer hooks import, Megatron's training loop)."""
     import importlib
 
-    for name in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
-                 "megatron.core.pipeline_parallel", "megatron.core.models.gpt.gpt_layer_specs",
-                 "megatron.core.datasets.gpt_dataset", "megatron_longctx.megatron.spec",
-                 "megatron_longctx.megatron.core_attention", "megatron_longctx.megatron.plugin",
-                 "megatron_longctx.kernels.select"):
+    extra = ("megatron.training.training", "megatron_longctx.megatron.features.model_states",
+             "megatron_longctx.megatron.offdevice_optimizer") if model_states else ()
+    for name in extra + _PREIMPORTED:
         try:
             importlib.import_module(name)
         except ImportError:  # a missing plugin module shows up where it is used, with its reason
@@ -254,9 +264,14 @@ class Trainer:
             self.model = self._build_model()  # the GPTModel (inside Float16Module under bf16)
             self.memory_handle = self._install_memory()
             self.ddp = self._wrap_ddp()
+            self.model_states = self._install_model_states()
             self.optimizer = self._build_optimizer()
-            materialize_optimizer_state(self.optimizer)
+            if self.model_states is not None:
+                self.model_states.wire_optimizer(self.optimizer)
+            if not (self.model_states is not None and self.model_states.target == "disk"):
+                materialize_optimizer_state(self.optimizer)  # disk: the moments are in a file from the first step
         except BaseException:  # a refused configuration leaves the process as it found it
+            self._remove_memory()
             parallel_state.destroy_model_parallel()
             raise
 
@@ -314,7 +329,19 @@ class Trainer:
             return None
         from megatron_longctx.megatron.plugin import LongContextPlugin
 
-        return LongContextPlugin(cfg).install(self.model)
+        plugin = LongContextPlugin(cfg)  # the model states go on after DDP (_install_model_states)
+        return plugin.install(self.model, tuple(f for f in plugin.features if not f.waits_for_optimizer))
+
+    def _install_model_states(self) -> Any:
+        """``--longctx-model-state-offload``: the plugin's own installer over the DDP-wrapped model."""
+        if not self.variant.plugin:
+            return None
+        from megatron_longctx.config import LongContextConfig
+
+        from megatron_longctx.bench.model_states import ModelStates
+
+        cfg = LongContextConfig.from_flat(self.variant.options())
+        return ModelStates.install(self.ddp, cfg) if cfg.model_states.enabled else None
 
     def _wrap_ddp(self) -> Any:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -411,11 +438,18 @@ class Trainer:
         """Sum of |w| over this rank's parameters (equal inits across layouts give equal sums)."""
         return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
 
+    def _remove_memory(self) -> None:
+        states, self.model_states = getattr(self, "model_states", None), None
+        if states is not None:
+            states.close()
+        handle, self.memory_handle = getattr(self, "memory_handle", None), None
+        if handle is not None and hasattr(handle, "remove"):
+            handle.remove()
+
     def close(self) -> None:
         from megatron.core import parallel_state
 
-        if self.memory_handle is not None and hasattr(self.memory_handle, "remove"):
-            self.memory_handle.remove()
+        self._remove_memory()
         parallel_state.destroy_model_parallel()
 
 

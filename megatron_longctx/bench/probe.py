@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_longctx.megatron import cpu_compat
-from megatron_longctx.bench.configs import default_configs, tiles_for
+from megatron_longctx.bench.configs import all_configs, streams_model_states, tiles_for
 from megatron_longctx import data as data_mod
 from megatron_longctx.bench.engine import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
                                                 over_budget_exit, preimport_megatron, run_steps)
@@ -60,7 +60,7 @@ def _cap_gpu_memory(budget_bytes: int) -> None:
 
 def measure_point(task: dict[str, Any], config_name: str, seq_length: int, dataset_prefix: str) -> dict[str, Any]:
     """Train one point; the record the benchmark reports for it."""
-    configs = {c.name: c for c in default_configs(task["cp"])}
+    configs = {c.name: c for c in all_configs(task["cp"])}
     variant = tiles_for(configs[config_name].variant, seq_length // configs[config_name].variant.context_parallel_size)
     shape = GPTShape(**{**task["shape"], "seq_length": seq_length})
     gbs = task["global_batch_size"] or dist.get_world_size() // variant.context_parallel_size
@@ -84,6 +84,7 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
         with live if live is not None else contextlib.nullcontext():
             results = run_steps(trainer, lambda step: data_mod.global_batch(dataset, step, gbs), 0, steps,
                                 budget_bytes=None if torch.cuda.is_available() else budget, base_bytes=base)
+        states = None if trainer.model_states is None else trainer.model_states.describe(trainer.optimizer)
     except torch.cuda.OutOfMemoryError:
         if budget:  # the capped allocator refused: this probe does not fit the budget
             over_budget_exit(torch.cuda.max_memory_allocated(), budget)
@@ -105,7 +106,7 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
     flops = model_flops_per_step(shape, tokens)
     traced = {} if live is None else {"live_peak_bytes": live.peak, "live_peak_by_label": live.peak_by_label}
     return {
-        **traced,
+        **traced, **({} if states is None else {"model_states": states}),
         "config": config_name, "seq_length": seq_length, "status": "ok", "global_batch_size": gbs,
         "step_times_s": [r.step_time_s for r in timed], "step_time_s": step_time,
         "cpu_s_per_step": float(cpu.item()), "cpu_us_per_token": float(cpu.item()) / tokens * 1e6,
@@ -116,7 +117,8 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
 
 
 def run_task(task: dict[str, Any]) -> list[dict[str, Any]]:
-    preimport_megatron()
+    streamed = {c.name for c in all_configs(task["cp"]) if streams_model_states(c)}
+    preimport_megatron(model_states=bool(streamed & set(task["configs"])))
     records: list[dict[str, Any]] = []
     tokenizer = data_mod.ByteTokenizer()
     longest = max(task["seq_lengths"])

@@ -29,9 +29,9 @@ from typing import Any, Callable, Optional
 from megatron_longctx import procs
 from megatron_longctx.bench import compare as compare_mod
 from megatron_longctx.bench import report
-from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, baseline_configs, default_configs, select,
-                                            sweep_skip_reason, unavailable_reason)
-from megatron_longctx.bench.headline import headline_line, max_seq_headline
+from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, all_configs, baseline_configs, default_configs,
+                                            select, streams_model_states, sweep_skip_reason, unavailable_reason)
+from megatron_longctx.bench.headline import headline_line, max_seq_headline, model_states_headline, model_states_line
 from megatron_longctx.bench.maxseq import drive, search_max_seq
 from megatron_longctx.memory.accounting import RSS_TRACKS_TENSORS_ENV
 
@@ -50,6 +50,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 256, "vocab_size": None, "swiglu": False, "normalization": "LayerNorm",
              "add_bias_linear": True, "budget_mib": 64.0},
+    # llama at 8 layers: 11.0M parameters, 168 MiB of float32 weights, main gradients and Adam moments per
+    # rank, 84% of its budget; the model-state rows' headline is measured on it
+    "llama-states": {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
+                     "ffn_hidden_size": 896, "vocab_size": 8192, "swiglu": True, "normalization": "RMSNorm",
+                     "add_bias_linear": False, "budget_mib": 200.0},
 }
 MAX_SEQ_DEFAULT = [c.name for c in baseline_configs(2)] + ["ring+all", "allgather+all"]
 
@@ -65,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per point")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama",
                    help="model shape: llama (hidden 256, 4 layers, 8 heads / 2 KV groups, SwiGLU ffn 896, RMSNorm, "
-                        "RoPE, untied output layer, vocabulary 8192) or tiny (the fast 2-layer hidden-64 GELU model)")
+                        "RoPE, untied output layer, vocabulary 8192), llama-states (the same at 8 layers: its float32 "
+                        "weights, gradients and Adam moments are 84%% of its 200 MiB budget; the model-state rows' "
+                        "model) or tiny (the fast 2-layer hidden-64 GELU model)")
     for flag in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
                  "vocab-size"):
         p.add_argument(f"--{flag}", type=int, default=None, help="override the preset's value")
@@ -77,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank memory budget of the max-sequence search (default on CPU: 160 for the llama "
-                        "preset, 64 for tiny, each + 2 bytes per parameter with --bf16; 80%% of the GPU)")
+                        "preset, 200 for llama-states, 64 for tiny, each + 2 bytes per parameter with --bf16; "
+                        "80%% of the GPU)")
     p.add_argument("--max-seq-configs", default=",".join(MAX_SEQ_DEFAULT),
                    help="configurations searched for max sequence (the headline is the best plugin one over the "
-                        "strongest baseline one)")
+                        "strongest baseline one; the model-state rows ring+offload[+mlp]+states-<disk|host>, named "
+                        "in --configs too, have their own headline over the same baselines)")
     p.add_argument("--max-seq-start", type=int, default=512, help="first probe length of the search")
     p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
     p.add_argument("--max-seq-resolution", type=float, default=0.1, help="bisection stops at this relative gap")
@@ -209,7 +218,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
     if bad:
         raise ValueError(f"--seq-lengths {bad} are not multiples of 2 x CP ({2 * cp}); Megatron's CP split needs that")
     names = [n.strip() for n in args.configs.split(",")] if args.configs else None
-    configs = select(default_configs(cp), names)
+    configs = select(default_configs(cp) if names is None else all_configs(cp), names)
     shape = model_shape(args)
     os.makedirs(args.output_dir, exist_ok=True)
     result: dict[str, Any] = {"schema": report.SCHEMA, "meta": _meta(args, shape), "configs": [], "sweep": []}
@@ -248,9 +257,15 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
         budget = int((args.budget_mib or _default_budget_mib(args.preset, shape)) * 2**20)
         log(f"max trainable sequence under {budget / 2**20:.0f} MiB/rank: {', '.join(searched)}")
         result["max_seq"] = _max_seq(args, base_task, searched, budget, log)
-        roles = {c["name"]: c["role"] for c in result["configs"]}
+        streamed = {c.name for c in configs if streams_model_states(c)}
+        roles = {c["name"]: c["role"] for c in result["configs"] if c["name"] not in streamed}
         result["max_seq"].update(max_seq_headline(result["max_seq"]["results"], roles, REFERENCE))
-        log(headline_line(result["max_seq"]))
+        states = model_states_headline(result["max_seq"]["results"], roles, streamed)
+        if states is None or result["max_seq"]["best_plugin"]:  # else only model-state rows trained
+            log(headline_line(result["max_seq"]))
+        if states is not None:
+            result["max_seq"]["model_states_headline"] = states
+            log(model_states_line(states))
     check = _time_check_case(args, result, runnable)
     if check and args.time_check_rounds > 0:
         result["time_check"] = time_check(args, base_task, *check, log)

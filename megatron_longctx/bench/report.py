@@ -127,15 +127,17 @@ def markdown(result: dict[str, Any]) -> str:
 def _max_seq_lines(ms: Optional[dict[str, Any]]) -> list[str]:
     if not ms:
         return []
-    from megatron_longctx.bench.headline import headline_line
+    from megatron_longctx.bench.headline import headline_line, model_states_line
 
     lines = ["", f"**Max trainable sequence** under {ms['budget_bytes'] / 2**20:.0f} MiB per rank "
                  f"({ms['enforcement']}; probes {ms.get('probes', 'in one process')}):", ""]
     for name, r in ms["results"].items():
         bound = "≥ " if r.get("at_cap") else ""
         lines.append(f"- {name}: {bound}{r['max_seq']} tokens ({len(r['probes'])} probes)")
-    if "max_seq_ratio_vs_strongest" in ms:
+    if "max_seq_ratio_vs_strongest" in ms and (ms.get("best_plugin") or not ms.get("model_states_headline")):
         lines += ["", f"**{headline_line(ms)}**"]
+    if ms.get("model_states_headline"):
+        lines += ["", f"**{model_states_line(ms['model_states_headline'])}**"]
     return lines
 
 
