@@ -150,6 +150,11 @@ def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: 
                                                f"set model.{name}=false, or drop offload_policy")
     ms = longctx.model_states
     if ms.enabled:
+        if getattr(model, "gradient_accumulation_fusion", False):
+            raise _field_error("gradient_accumulation_fusion", True,
+                               "Megatron's fused weight-gradient accumulation adds into the main_grad its forward "
+                               "saw (the off-device copy), not the device slot the model-state offload's backward "
+                               "streams through; set model.gradient_accumulation_fusion=false")
         if getattr(model, "cpu_offloading", False):
             raise _field_error("cpu_offloading", True, f"Megatron's offload would move the weights the model-state "
                                                         f"offload streams (model_state_offload={ms.model_state_offload!r}); "

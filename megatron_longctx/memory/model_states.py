@@ -331,7 +331,10 @@ class ModelStateStreamer:
 
     def _grad_ready(self, u: Unit, param: torch.Tensor) -> None:
         if self.opts.accumulate_grad and param.grad is not None:
-            param.main_grad.add_(param.grad)
+            # Megatron's gradient-accumulation-fusion protocol: a backward that added into main_grad itself
+            # hands autograd an unread placeholder and sets grad_added_to_main_grad
+            if not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(param.grad)
             param.grad = None
         u.pending.discard(id(param))
         if not u.pending and u.gslot is not None:
@@ -442,6 +445,9 @@ class ModelStateStreamer:
             if u.ghost is not None:
                 u.ghost.zero_()
             u.has_grad = False
+            for p in u.params:  # as Megatron's DDP zero_grad_buffer
+                if hasattr(p.param, "grad_added_to_main_grad"):
+                    p.param.grad_added_to_main_grad = False
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every accumulated main gradient by ``factor`` (Megatron's ``scale_gradients``)."""

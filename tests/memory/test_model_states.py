@@ -207,6 +207,56 @@ def test_recompute_of_several_units_in_two_slots(tmp_path) -> None:
     streamer.remove()
 
 
+class _FusedWgrad(torch.autograd.Function):
+    """``x @ w.t()`` whose backward adds ``dW`` into ``w.main_grad`` itself and hands autograd an unread
+    placeholder (NaN here) with ``grad_added_to_main_grad`` set: Megatron's gradient-accumulation fusion."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x)
+        ctx.weight = w  # the parameter: its main_grad is looked up in backward
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,), w = ctx.saved_tensors, ctx.weight
+        w.main_grad.add_(dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+        w.grad_added_to_main_grad = True
+        return dy @ w, torch.full_like(w, float("nan"))
+
+
+class FusedHead(torch.nn.Module):
+    def __init__(self, h: int, vocab: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(vocab, h) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedWgrad.apply(x, self.weight)
+
+
+def test_gradient_accumulation_fusion_protocol(tmp_path) -> None:
+    """A backward that adds into ``main_grad`` itself (the placeholder it returns is NaN): the accumulator
+    holds exactly the gradients, over two micro-batches, and ``zero_grad`` resets the protocol's flag."""
+    torch.manual_seed(0)
+    ref = Stack(n=2)
+    model = copy.deepcopy(ref)
+    model.head = FusedHead(16, 32)
+    with torch.no_grad():
+        model.head.weight.copy_(ref.head.weight)
+    streamer = _streamer(model, "host", tmp_path)
+    for tokens in [torch.randint(0, 32, (2, 8)) for _ in range(2)]:
+        _loss(ref, tokens).backward()
+        _loss(model, tokens).backward()
+        streamer.finish_backward()
+    for i, unit in enumerate(ref.units()):
+        for p_ref, g in zip(unit.parameters(), streamer.unit_grads(i)):
+            assert_close(g, p_ref.grad, rtol=1e-6, atol=1e-7)
+    assert model.head.weight.grad_added_to_main_grad
+    streamer.zero_grad()
+    assert not model.head.weight.grad_added_to_main_grad
+    streamer.remove()
+
+
 def test_check_released_fails_when_weights_stay(tmp_path) -> None:
     torch.manual_seed(0)
     model = Stack()
@@ -342,6 +392,9 @@ def test_bad_input_names_the_flags_and_the_fix(tmp_path) -> None:
         ModelStateConfig(model_state_slots=1)
     with pytest.raises(ValueError, match=r"--longctx-offload-disk-dir: is only used with .*model-state-offload disk"):
         LongContextConfig.from_flat({"offload_disk_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"--longctx-model-state-offload: 'host' does not go with "
+                                         r"--longctx-tiled-loss-tiles 4: .*drop --longctx-tiled-loss-tiles"):
+        LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4})
     for megatron in ({"cpu_offloading": True}, {"cpu_offloading_num_layers": 2}, {"cpu_offloading_weights": True}):
         args = _args("--longctx-model-state-offload", "host")
         vars(args).update(megatron)
@@ -427,6 +480,7 @@ def test_bridge_refuses_disk_and_training_loops_defer() -> None:
 
     from megatron_longctx.bridge.configure import check_model_config, check_model_state_training
     from megatron_longctx.config import LongContextConfig
+    from megatron_longctx.megatron.features.base import Built
     from megatron_longctx.megatron.features.model_states import BRIDGE_OPTIMIZER_MODULES, FEATURE
     from megatron_longctx.megatron.memory_spec import install_and_report
 
@@ -437,6 +491,12 @@ def test_bridge_refuses_disk_and_training_loops_defer() -> None:
     with pytest.raises(ValueError, match=r"model.cpu_offloading.*set model.cpu_offloading=false"):
         check_model_config(types.SimpleNamespace(cpu_offloading=True), host)
     check_model_config(types.SimpleNamespace(), host)  # host goes through Bridge
+    with pytest.raises(ValueError, match=r"model.gradient_accumulation_fusion.*set model.gradient_accumulation_fusion=false"):
+        check_model_config(types.SimpleNamespace(gradient_accumulation_fusion=True), host)
+    fused = torch.nn.Linear(2, 2)
+    fused.config = types.SimpleNamespace(gradient_accumulation_fusion=True)  # Megatron's, with apex's kernel
+    with pytest.raises(ValueError, match=r"--longctx-model-state-offload: .*add --no-gradient-accumulation-fusion"):
+        FEATURE.install(Built.of(fused), host)
     recipe = types.SimpleNamespace(ddp=types.SimpleNamespace(use_distributed_optimizer=True),
                                    optimizer=types.SimpleNamespace(use_distributed_optimizer=True))
     with pytest.raises(ValueError, match=r"ddp.use_distributed_optimizer=True.*set ddp.use_distributed_optimizer=false"):

@@ -93,6 +93,11 @@ class ModelStatesFeature(Feature):
 
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
         ms, mem = cfg.model_states, cfg.memory
+        if getattr(built.config, "gradient_accumulation_fusion", False):
+            raise ValueError(f"{FLAG}: Megatron's fused weight-gradient accumulation adds into the main_grad its "
+                             "forward saw (the off-device copy), not the device slot a layer's backward streams "
+                             "through; add --no-gradient-accumulation-fusion (Bridge: "
+                             "model.gradient_accumulation_fusion=false)")
         wrappers = list(built.model) if isinstance(built.model, (list, tuple)) else [built.model]
         if len(built.chunks) != 1:
             raise ValueError(f"{FLAG}: one model chunk per rank is streamed; drop "
