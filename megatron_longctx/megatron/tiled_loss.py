@@ -70,9 +70,17 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bo
 
     @functools.wraps(original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if _labels_of(signature, args, kwargs) is None:
+        labels = _labels_of(signature, args, kwargs)
+        if labels is None:
             return original_forward(*args, **kwargs)
         seen: dict = {}
+        norm_forward = None if final_norm is None else final_norm.forward  # the norm's own (or lean) forward
+
+        def tiled(labels: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+            return tiled_logits_loss(hidden, seen["weight"], labels, getattr(output_layer, "tp_group", None),
+                                     num_tiles, reduce_grad_input=seen["reduce"], recompute=recompute,
+                                     into_main_grad=seen["own_weight"], norm=final_norm, norm_forward=norm_forward,
+                                     grad_target=grad_target)
 
         def pass_hidden(hidden: torch.Tensor, weight: Optional[torch.Tensor] = None, **_: Any) -> tuple:
             seen["weight"] = output_layer.weight if weight is None else weight
@@ -83,15 +91,16 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bo
 
                 hidden = gather_from_sequence_parallel_region(hidden, group=output_layer.tp_group)  # [s, b, h]
                 seen["reduce"] = False
-            return hidden, None
+            if final_norm is not None:  # the norm is the decoder's: the loss runs where Megatron computes it
+                return hidden, None
+            # The loss is the output layer's output: whatever brings the layer's weights in for its call (the
+            # model-state streamer) has them in for the logits, and brings them in again for the loss's
+            # backward, which starts at this output.
+            seen["loss"] = tiled(labels, hidden)
+            return seen["loss"], None
 
-        norm_forward = None if final_norm is None else final_norm.forward  # the norm's own (or lean) forward
-
-        def loss(labels: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-            return tiled_logits_loss(hidden, seen["weight"], labels, getattr(output_layer, "tp_group", None),
-                                     num_tiles, reduce_grad_input=seen["reduce"], recompute=recompute,
-                                     into_main_grad=seen["own_weight"], norm=final_norm, norm_forward=norm_forward,
-                                     grad_target=grad_target)
+        def loss(labels: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+            return output if "loss" in seen else tiled(labels, output)
 
         with patch(output_layer, "forward", pass_hidden, "tiled loss: the output layer hands the hidden states on"), \
                 patch(gpt_model, "compute_language_model_loss", loss, "tiled loss: logits and loss per tile"):

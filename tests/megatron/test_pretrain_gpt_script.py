@@ -165,11 +165,24 @@ def test_patch_016_applies(tmp_path):
 @pytest.mark.parametrize("target", ["host", "disk"])
 def test_model_state_offload_equals_cp1(script, cp1_losses, target, tmp_path):
     """Weights and gradients streamed layer by layer (``disk``: with the optimizer's moments on disk and the
-    step one unit at a time) train as Megatron's CP=1 does, through the unmodified script."""
+    step one unit at a time) train as Megatron's CP=1 does, through the unmodified script, with the tiled
+    loss (computed where the output layer's weights are in a slot)."""
     where = ("--longctx-offload-disk-dir", str(tmp_path)) if target == "disk" else ()
-    run = run_script(script, [*TINY_GPT, *ITERS, "--context-parallel-size", "2",
+    run = run_script(script, [*TINY_GPT, *ITERS, "--context-parallel-size", "2", "--longctx-tiled-loss-tiles", "2",
                               "--longctx-model-state-offload", target, *where]).check()
     print(f"model states {target}: {run.wall_s:.1f} s")
+    assert "model states: weights and gradients streamed per layer" in run.output
+    assert_same_losses(run.lm_losses(), cp1_losses("learned"))
+
+
+def test_model_state_offload_with_recompute_in_sequence_tiles(script, cp1_losses):
+    """The streamed layers replayed by the plugin in 4 sequence tiles per layer over all-gather CP (what the
+    planner picks with the offload at length): each tile's backward finds the layer's weights and gradient
+    slot in place."""
+    tiled = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+             "--longctx-recompute-tiles", "4", "--longctx-tiled-loss-tiles", "2")
+    run = run_script(script, [*TINY_GPT, *ITERS, "--context-parallel-size", "2", "--cp-comm-type", "all_gather",
+                              *tiled, "--longctx-model-state-offload", "host"]).check()
     assert "model states: weights and gradients streamed per layer" in run.output
     assert_same_losses(run.lm_losses(), cp1_losses("learned"))
 

@@ -311,7 +311,7 @@ def _same_losses(ref, model, b: dict, tokens: torch.Tensor) -> None:
     assert_close(losses[1], losses[0], rtol=0, atol=0)
 
 
-def _gpt_body(recompute: bool, target: str, disk_dir: str) -> None:
+def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1) -> None:
     import warnings
 
     from megatron.core.models.gpt import GPTModel
@@ -333,6 +333,11 @@ def _gpt_body(recompute: bool, target: str, disk_dir: str) -> None:
                                 share_embeddings_and_output_weights=False)
 
         ref, model = build(), build()
+        if loss_tiles > 1:  # the loss runs inside the output layer's call, where its weights are in a slot
+            from megatron_longctx.megatron.tiled_loss import install_tiled_loss
+
+            install_tiled_loss(ref, loss_tiles)
+            install_tiled_loss(model, loss_tiles)
         units = [model.embedding, *model.decoder.layers, model.output_layer]
         opts = StreamOptions(target=target, device=torch.device("cpu"), pool=HostPool(1 << 24, pin=False),
                              disk_dir=disk_dir if target == "disk" else None)
@@ -357,11 +362,11 @@ def _gpt_body(recompute: bool, target: str, disk_dir: str) -> None:
         streamer.remove()
 
 
-@pytest.mark.parametrize("recompute,target", [(False, "host"), (True, "disk")])
-def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, tmp_path) -> None:
+@pytest.mark.parametrize("recompute,target,loss_tiles", [(False, "host", 1), (True, "disk", 1), (True, "disk", 3)])
+def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, loss_tiles: int, tmp_path) -> None:
     from tests.dist import run_ranks
 
-    run_ranks(1, _gpt_body, recompute, target, str(tmp_path))
+    run_ranks(1, _gpt_body, recompute, target, str(tmp_path), loss_tiles)
 
 
 # ------------------------------------------------------------------ flags and bad input
@@ -393,8 +398,9 @@ def test_bad_input_names_the_flags_and_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--longctx-offload-disk-dir: is only used with .*model-state-offload disk"):
         LongContextConfig.from_flat({"offload_disk_dir": str(tmp_path)})
     with pytest.raises(ValueError, match=r"--longctx-model-state-offload: 'host' does not go with "
-                                         r"--longctx-tiled-loss-tiles 4: .*drop --longctx-tiled-loss-tiles"):
-        LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4})
+                                         r"--longctx-tiled-loss-recompute: .*drop --longctx-tiled-loss-recompute"):
+        LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4, "tiled_loss_recompute": True})
+    LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4})  # the tiled loss goes with it
     for megatron in ({"cpu_offloading": True}, {"cpu_offloading_num_layers": 2}, {"cpu_offloading_weights": True}):
         args = _args("--longctx-model-state-offload", "host")
         vars(args).update(megatron)
