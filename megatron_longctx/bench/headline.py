@@ -52,18 +52,24 @@ def max_seq_headline(results: dict[str, Any], roles: dict[str, str], reference: 
     return out
 
 
-def headline_line(headline: dict[str, Any]) -> str:
-    """One printable line: ``best / strongest = ratio`` with both lengths, and the unfused ratio labelled."""
-    r = headline.get("max_seq_ratio_vs_strongest")
+def _ratio_line(label: str, r: Optional[dict[str, Any]], headline: dict[str, Any], row: str,
+                mark_cap: bool = False) -> str:
+    """``<label>: <row> N / strongest baseline <name> M = Rx (target ...)``, or why there is no ratio."""
     if not r:
-        return ("max trainable sequence: no ratio (best plugin "
-                f"{headline.get('best_plugin')}, strongest baseline {headline.get('strongest_baseline')})")
+        return (f"{label}: no ratio ({row} {headline.get('best_plugin')}, strongest baseline "
+                f"{headline.get('strongest_baseline')})")
     low = "≥ " if r["plugin_at_cap"] and not r["baseline_at_cap"] else ""
-    text = (f"max trainable sequence: {r['plugin']} {r['plugin_max_seq']} / strongest baseline {r['baseline']} "
+    cap = " (cap)" if mark_cap and r["plugin_at_cap"] else ""
+    return (f"{label}: {r['plugin']} {r['plugin_max_seq']}{cap} / strongest baseline {r['baseline']} "
             f"{r['baseline_max_seq']} = {low}{r['ratio']:.1f}x (target >= {r['target']}x: "
             f"{'met' if r['meets_target'] else 'not met'})")
+
+
+def headline_line(headline: dict[str, Any]) -> str:
+    """One printable line: ``best / strongest = ratio`` with both lengths, and the unfused ratio labelled."""
+    text = _ratio_line("max trainable sequence", headline.get("max_seq_ratio_vs_strongest"), headline, "best plugin")
     u = headline.get("max_seq_ratio_vs_unfused")
-    if u:
+    if headline.get("max_seq_ratio_vs_strongest") and u:
         text += f"; vs {u['baseline']} (unfused attention) {u['baseline_max_seq']}: {u['ratio']:.1f}x"
     return text
 
@@ -85,12 +91,5 @@ def model_states_headline(results: dict[str, Any], roles: dict[str, str], stream
 
 def model_states_line(headline: dict[str, Any]) -> str:
     """``max trainable sequence with model states counted: <row> N / strongest baseline <name> M = Rx``."""
-    r = headline.get("ratio")
-    if not r:
-        return ("max trainable sequence with model states counted: no ratio (best model-state row "
-                f"{headline.get('best_plugin')}, strongest baseline {headline.get('strongest_baseline')})")
-    low = "≥ " if r["plugin_at_cap"] and not r["baseline_at_cap"] else ""
-    cap = " (cap)" if r["plugin_at_cap"] else ""
-    return (f"max trainable sequence with model states counted: {r['plugin']} {r['plugin_max_seq']}{cap} / strongest "
-            f"baseline {r['baseline']} {r['baseline_max_seq']} = {low}{r['ratio']:.1f}x (target >= {r['target']}x: "
-            f"{'met' if r['meets_target'] else 'not met'})")
+    return _ratio_line("max trainable sequence with model states counted", headline.get("ratio"), headline,
+                       "best model-state row", mark_cap=True)
