@@ -30,73 +30,24 @@ cost, and :meth:`ModelStateStreamer.check_released` fails if a unit's weights st
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
-import os
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from megatron_longctx.memory import hooks
-from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.model_state_store import (FLAG, ModelStateError, OffDeviceStore,  # noqa: F401
+                                                       StreamOptions)
 from megatron_longctx.memory.model_state_units import Unit, add_bytes, tensors, view
-from megatron_longctx.memory.offload_disk import DiskOffloadError, RunDir, read_file, write_file
 
-FLAG = "--longctx-model-state-offload"
-TARGETS = ("none", "host", "disk")
-
-
-class ModelStateError(RuntimeError):
-    """The model states cannot be placed or moved (the message names the flag, what and the fix)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamOptions:
-    """How the model states are streamed.
-
-    target: ``host`` or ``disk``.  device: where the slots live (the compute device).  pool: the host
-    pool whose bound the off-device copies (``host``) or the staging buffers (``disk``) count against.
-    disk_dir: the root of the run directory for ``disk``.  slots: weight slots (and gradient slots).
-    grad_dtype: dtype of the main gradients (None: the parameter's).  accumulate_grad: add ``.grad``
-    into ``main_grad`` here (False when Megatron's DDP hooks do it).  reduce_group: a process group (data
-    parallel x context parallel) the gradient slot is summed over before it leaves the device.
-    grad_scale: the factor the gradients are multiplied by before that sum (Megatron's DDP
-    ``gradient_scaling_factor``, 1 / the group's size when the loss is not per token).
-    host_grad_units: indices of units whose accumulated gradients others read and write on ``main_grad``
-    between backward and the optimizer step (a tied embedding's copies on the first and last pipeline stage,
-    summed by Megatron): with ``disk`` their accumulator stays in the host pool, their weights on disk.
-    """
-
-    target: str
-    device: torch.device
-    pool: HostPool
-    disk_dir: Optional[str] = None
-    slots: int = 2
-    grad_dtype: Optional[torch.dtype] = torch.float32
-    accumulate_grad: bool = True
-    reduce_group: Any = None
-    grad_scale: float = 1.0
-    host_grad_units: tuple = ()  # units whose gradient accumulator stays in the host pool with ``disk``
-
-
-class ModelStateStreamer:
+class ModelStateStreamer(OffDeviceStore):
     """Streams ``units``' weights in and their gradients out (see the module docstring)."""
 
     def __init__(self, units: Sequence[torch.nn.Module], opts: StreamOptions) -> None:
-        if opts.target not in ("host", "disk"):
-            raise ModelStateError(f"{FLAG}: unknown target {opts.target!r}; use one of host, disk")
         if opts.slots < 2:
             raise ModelStateError(f"{FLAG}: needs at least two device slots (one in use, one being filled)")
-        self.opts = opts
-        self.units = [Unit(i, m, opts.grad_dtype) for i, m in enumerate(units)]
-        self._by_param = {id(p.param): u for u in self.units for p in u.params}
-        if len(self._by_param) != sum(len(u.params) for u in self.units):
-            raise ModelStateError(f"{FLAG}: a parameter is shared by two units (tie them into one unit)")
+        super().__init__(units, opts)
         self.slot_bytes = max(u.nbytes for u in self.units)
         self.gslot_bytes = max(u.gbytes for u in self.units)
-        self.run_dir = RunDir(os.path.join(opts.disk_dir, "model-states")) if opts.target == "disk" else None
-        self._staging: Optional[torch.Tensor] = None
-        self._place_off_device()
         dev = opts.device
         self.wslots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=dev) for _ in range(opts.slots)]
         self.gslots = [torch.empty(self.gslot_bytes, dtype=torch.uint8, device=dev) for _ in range(opts.slots)]
@@ -107,7 +58,6 @@ class ModelStateStreamer:
         self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self._wfree: list = [None] * opts.slots  # event: the compute stream is done with the weight slot
         self._gfree: list = [None] * opts.slots  # event: the gradient slot's copy out has read it
-        self._copies_out: list = []  # events of gradient copies to the host not waited for yet
         self.resident = 0  # bytes of parameters and gradients now in device slots
         self.peak_resident = 0
         self.loads = self.grad_flushes = self.prefetches = self.evictions = 0  # evictions: of units held ahead
@@ -122,61 +72,6 @@ class ModelStateStreamer:
     def capacity(self) -> int:
         """Bytes the device slots hold: the bound on :attr:`resident`."""
         return len(self.wslots) * self.slot_bytes + len(self.gslots) * self.gslot_bytes
-
-    def _take(self, nbytes: int, what: str) -> torch.Tensor:
-        buf = self.opts.pool.take(nbytes)
-        if buf is None:
-            pool = self.opts.pool
-            raise ModelStateError(
-                f"{FLAG} {self.opts.target}: the host pool cannot hold {what} ({nbytes} bytes; bound "
-                f"{pool.capacity}, in use {pool.used}): raise --longctx-offload-host-pool-bytes")
-        return buf
-
-    def _place_off_device(self) -> None:
-        if self.opts.target == "disk":  # one staging buffer for the largest unit (weights or gradients)
-            self._staging = self._take(max(max(u.nbytes, u.gbytes) for u in self.units), "the disk staging buffer")
-        for u in self.units:
-            if self.opts.target == "host":
-                u.host = self._take(u.nbytes, f"unit {u.index}'s weights")
-            if u.gbytes and (self.opts.target == "host" or u.index in self.opts.host_grad_units):
-                u.ghost = self._take(u.gbytes, f"unit {u.index}'s gradients")
-                u.ghost.zero_()
-            for p in u.params:
-                src = p.param.data.reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes
-                if u.host is not None:
-                    u.host[p.offset:p.offset + src.numel()].copy_(src)
-                else:
-                    assert self._staging is not None
-                    self._staging[p.offset:p.offset + src.numel()].copy_(src)
-            if self.opts.target == "disk":
-                assert self.run_dir is not None and self._staging is not None
-                u.path = os.path.join(self.run_dir.path, f"unit{u.index}.w")
-                if u.ghost is None:
-                    u.gpath = os.path.join(self.run_dir.path, f"unit{u.index}.g")
-                self._write(self._staging[:u.nbytes], u.path, f"unit {u.index}'s weights")
-            self._point_off_device(u)
-
-    def _write(self, data: torch.Tensor, path: str, what: str) -> None:
-        try:
-            write_file(data.cpu() if data.device.type != "cpu" else data, path)
-        except DiskOffloadError as exc:
-            code = errno.errorcode.get(exc.errno or 0, "EIO")
-            raise ModelStateError(
-                f"{FLAG} disk: writing {what} ({data.numel()} bytes) to {path} failed: {code} ({os.strerror(exc.errno or errno.EIO)}); "
-                f"free space under {os.path.dirname(path)}, point --longctx-offload-disk-dir at a larger disk, "
-                f"or use {FLAG} host") from exc
-
-    def _point_off_device(self, u: Unit) -> None:
-        """Parameters between uses: views of the host copy (``host``); for ``disk`` a one-element
-        placeholder of the right shape (the values are in the file; :meth:`unit_weights` reads them).
-        ``main_grad``: a view of the host accumulator where there is one, else None (in its file)."""
-        for p in u.params:
-            if u.host is not None:
-                p.param.data = view(u.host, p.offset, p.dtype, p.shape)
-            else:
-                p.param.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)
-            if p.goffset >= 0:
-                p.param.main_grad = None if u.ghost is None else view(u.ghost, p.goffset, p.grad_dtype, p.shape)
 
     # ------------------------------------------------------------------ weights in and out
     def _free_slot(self, owners: list) -> Optional[int]:
@@ -254,13 +149,6 @@ class ModelStateStreamer:
 
     def _compute_event(self) -> Any:
         return torch.cuda.current_stream(self.opts.device).record_event() if self._side is not None else None
-
-    def _read(self, path: str, nbytes: int, what: str) -> torch.Tensor:
-        assert self._staging is not None
-        try:
-            return read_file(path, nbytes, 0, self._staging[:nbytes])
-        except DiskOffloadError as exc:
-            raise ModelStateError(f"{FLAG} disk: reading {what} ({nbytes} bytes) failed: {exc}") from exc
 
     def _release(self, u: Unit) -> None:
         if u.wslot is None:
@@ -412,11 +300,6 @@ class ModelStateStreamer:
             u.copied_out = self._gfree[u.gslot] = self._side.record_event()
         self._copies_out.append(u.copied_out)
 
-    def _drain(self) -> None:
-        """Wait (on the host) for every gradient copy to the host accumulators."""
-        while self._copies_out:
-            self._copies_out.pop().synchronize()
-
     def _done(self, u: Unit) -> None:
         assert u.gslot is not None
         u.has_grad = True
@@ -439,111 +322,6 @@ class ModelStateStreamer:
             self._side.synchronize()
 
     # ------------------------------------------------------------------ between steps
-    def zero_grad(self) -> None:
-        self._drain()
-        for u in self.units:
-            if u.ghost is not None:
-                u.ghost.zero_()
-            u.has_grad = False
-            for p in u.params:  # as Megatron's DDP zero_grad_buffer
-                if hasattr(p.param, "grad_added_to_main_grad"):
-                    p.param.grad_added_to_main_grad = False
-
-    def scale_grads(self, factor: float) -> None:
-        """Multiply every accumulated main gradient by ``factor`` (Megatron's ``scale_gradients``)."""
-        self._drain()
-        for u in self.units:
-            if u.ghost is not None:
-                data = u.ghost
-            elif u.has_grad:
-                data = self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
-            else:
-                continue
-            for p in u.params:
-                if p.goffset >= 0:
-                    view(data, p.goffset, p.grad_dtype, p.shape).mul_(factor)
-            if u.ghost is None:
-                self._write(data, u.gpath, f"unit {u.index}'s gradients")
-
-    def unit_weights(self, index: int) -> list[torch.Tensor]:
-        """Unit ``index``'s weights as they are off the device (copies for ``disk``)."""
-        u = self.units[index]
-        data = u.host if u.host is not None else self._read(u.path, u.nbytes, f"unit {index}'s weights").clone()
-        return [view(data, p.offset, p.dtype, p.shape) for p in u.params]
-
-    def unit_grads(self, index: int) -> list[Optional[torch.Tensor]]:
-        """Unit ``index``'s accumulated main gradients (None where a parameter has none)."""
-        self._drain()
-        u = self.units[index]
-        if u.ghost is not None:
-            data: Optional[torch.Tensor] = u.ghost
-        elif u.has_grad:
-            data = self._read(u.gpath, u.gbytes, f"unit {index}'s gradients").clone()
-        else:
-            data = torch.zeros(u.gbytes, dtype=torch.uint8)
-        return [None if p.goffset < 0 else view(data, p.goffset, p.grad_dtype, p.shape) for p in u.params]
-
-    def store_weights(self, index: int, values: Sequence[torch.Tensor]) -> None:
-        """Write updated weights of unit ``index`` to its off-device copy (``disk``; ``host`` is updated in
-        place by an optimizer that steps the parameters)."""
-        u = self.units[index]
-        if u.host is not None:
-            for p, v in zip(u.params, values):
-                view(u.host, p.offset, p.dtype, p.shape).copy_(v)
-            return
-        assert self._staging is not None and u.path is not None
-        for p, v in zip(u.params, values):
-            view(self._staging, p.offset, p.dtype, p.shape).copy_(v)
-        self._write(self._staging[:u.nbytes], u.path, f"unit {index}'s weights")
-
-    def param_groups(self) -> list[list[torch.nn.Parameter]]:
-        """The streamed parameters, one list per unit (what :meth:`grads_in` and :meth:`weights_in` bring in)."""
-        return [[p.param for p in u.params] for u in self.units]
-
-    @contextlib.contextmanager
-    def grads_in(self, index: int) -> Iterator[list[torch.nn.Parameter]]:
-        """Inside the block, unit ``index``'s accumulated gradients are its parameters' ``grad`` and
-        ``main_grad`` (zeros where nothing accumulated this step); ``disk`` reads them into the staging
-        buffer, so one unit's gradients are on the host at a time."""
-        self._drain()
-        u = self.units[index]
-        if u.ghost is not None:
-            data = u.ghost
-        else:
-            assert self._staging is not None
-            data = self._staging[:u.gbytes]
-            if u.has_grad:
-                data = self._read(u.gpath, u.gbytes, f"unit {index}'s gradients")
-            else:
-                data.zero_()
-        with_grad = [p for p in u.params if p.goffset >= 0]
-        for p in with_grad:
-            g = view(data, p.goffset, p.grad_dtype, p.shape)
-            p.param.grad, p.param.main_grad = g, g
-        try:
-            yield [p.param for p in with_grad]
-        finally:
-            for p in with_grad:
-                p.param.grad = None
-            self._point_off_device(u)
-
-    @contextlib.contextmanager
-    def weights_in(self, index: int) -> Iterator[list[torch.nn.Parameter]]:
-        """Inside the block, unit ``index``'s parameters hold its weights on the host (``disk``: read into the
-        staging buffer); what the block writes into them is stored back at its end."""
-        u = self.units[index]
-        if u.host is not None:  # the parameters are views of the host copy already
-            yield [p.param for p in u.params]
-            return
-        data = self._read(u.path, u.nbytes, f"unit {index}'s weights")
-        for p in u.params:
-            p.param.data = view(data, p.offset, p.dtype, p.shape)
-        try:
-            yield [p.param for p in u.params]
-            self._write(data, u.path, f"unit {index}'s weights")
-        finally:
-            self._point_off_device(u)
-
     def check_released(self) -> None:
         """Fail if any unit's weights or gradients are still in a device slot."""
         held = [u.index for u in self.units if u.wslot is not None or u.gslot is not None]
