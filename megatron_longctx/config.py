@@ -19,8 +19,10 @@ from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, Literal
 
-# megatron_longctx.attention.ALGORITHMS, and "auto": follow Megatron's own --cp-comm-type.
-CpAlgorithm = Literal["auto", "ring", "allgather", "ulysses", "hybrid"]
+from megatron_longctx.attention import algorithms
+
+# The registry's algorithms, and "auto": follow Megatron's own --cp-comm-type.
+CpAlgorithm = Literal[("auto", *algorithms.NAMES)]  # type: ignore[valid-type]
 OffloadPolicy = Literal["none", "checkpoint", "modules", "layers"]
 OffloadTarget = Literal["host", "disk"]
 RecomputeGranularity = Literal["none", "full", "selective"]
@@ -34,15 +36,6 @@ RECOMPUTE_GRANULARITIES: tuple[str, ...] = typing.get_args(RecomputeGranularity)
 RECOMPUTE_METHODS: tuple[str, ...] = typing.get_args(RecomputeMethod)
 RECOMPUTE_MODULE_NAMES: tuple[str, ...] = typing.get_args(LayerModule)
 OFFLOAD_MODULE_NAMES: tuple[str, ...] = typing.get_args(LayerModule)
-
-# Megatron's --cp-comm-type values and the algorithm that serves each.
-CP_COMM_TYPE_TO_ALGORITHM = {
-    "p2p": "ring",
-    "all_gather": "allgather",
-    "allgather": "allgather",
-    "a2a": "ulysses",
-    "a2a+p2p": "hybrid",
-}
 
 # Config field -> the Megatron-LM flag it is read from (no --longctx-* flag for these).
 MEGATRON_FLAGS = {
@@ -368,7 +361,8 @@ class LongContextConfig:
                              "that loss runs the decoder's final norm after the norm's own call, when the streamer "
                              "has taken its weights off the device again; drop --longctx-tiled-loss-recompute (the "
                              "tiled loss itself goes with it)")
-        if self.cp.cp_ulysses_size and self.cp.cp_algorithm not in ("auto", "hybrid"):
+        if (self.cp.cp_ulysses_size and self.cp.cp_algorithm != "auto"
+                and algorithms.get(self.cp.cp_algorithm).heads != "groups"):
             raise flag_error("cp_ulysses_size", f"only applies to the hybrid algorithm, but --longctx-cp-algorithm is "
                                                 f"{self.cp.cp_algorithm!r}; drop it or choose hybrid")
 

@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from ..kernels.base import BlockMask
 from ..kernels.select import get_kernel
+from . import algorithms
 from .agreement import check_ranks_agree
 from .allgather import AllGatherAttention
 from .args import (
     ALGORITHMS,
     AttentionArgs,
     attention_args,
-    check_algorithm_name,
     check_local_length,
     check_tensors,
     check_ulysses_size,
@@ -80,7 +80,7 @@ def cp_attention(
     Every unsupported case is a ``ValueError`` naming the argument; the first call of a configuration checks
     with one small collective that every rank passes the same one (:func:`.agreement.check_ranks_agree`).
     """
-    check_algorithm_name(algorithm)
+    algorithms.get(algorithm)  # an unknown name fails here, before anything else
     cp_size = _cp_size(cp_group)
     head_dim = 2 if packing is None else 1
     if packing is None:
@@ -144,14 +144,14 @@ def _attend(q, k, v, cp_group, layout: SeqLayout, args: AttentionArgs, algorithm
     """q/k/v ``[b, t, h, d]`` (this rank's shard of ``layout``) -> out ``[b, t, h_q, d_v]``: the
     cross-rank agreement check, the groups, then one communication pattern (``sink`` ``[h_q]``: the
     attention sinks, added to each row's merged result)."""
-    cp_size = layout.cp_size
-    if cp_size > 1 and algorithm == "hybrid" and hcp_groups is not None:
+    cp_size, algo = layout.cp_size, algorithms.get(algorithm)
+    if cp_size > 1 and algo.heads == "groups" and hcp_groups is not None:
         check_hcp_groups(hcp_groups, cp_group, cp_size, ulysses_size, q.shape[2])  # before any collective
     if cp_size > 1:
         check_ranks_agree(cp_group, algorithm=algorithm, args=args, q=q, k=k, v=v, packing=layout.packing,
                           ulysses_size=ulysses_size, hcp=hcp_groups is not None, sink=sink is not None)
     a2a_group, ring_group = a2a_and_ring_groups(algorithm, cp_group, cp_size, ulysses_size, hcp_groups, q.shape[2])
-    if algorithm == "allgather" and cp_size > 1:
+    if algo.gathers_kv and cp_size > 1:
         return AllGatherAttention.apply(q, k, v, cp_group, layout, args, sink)
     if a2a_group is None:  # the ring over cp_group (one rank: local attention)
         return RingAttention.apply(q, k, v, ring_group, ring_schedule(layout, args.mask), args, sink)
@@ -181,6 +181,6 @@ def schedule_flops(
     d_v = d_qk if d_v is None else d_v
     mask = BlockMask(causal=causal, window=check_window(window_size))
     check_divisible(seq_len, cp_size, "seq_len")
-    check_algorithm_name(algorithm)
+    algorithms.get(algorithm)
     pairs, heads_divisor = schedule_pairs(algorithm, SeqLayout.dense(seq_len, cp_size, zigzag), mask, ulysses_size)
     return [2 * (d_qk + d_v) * batch * (p * heads // heads_divisor) for p in pairs]

@@ -14,8 +14,9 @@ import operator
 import torch
 
 from ..kernels.base import BlockMask
+from . import algorithms
 
-ALGORITHMS = ("ring", "allgather", "ulysses", "hybrid")
+ALGORITHMS = algorithms.NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +34,6 @@ def attention_args(q: torch.Tensor, causal: bool, softmax_scale: float | None, w
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     return AttentionArgs(softmax_scale=scale, mask=BlockMask(causal=bool(causal), window=check_window(window_size)),
                          backend=backend)
-
-
-def check_algorithm_name(algorithm: str) -> None:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS} (Megatron's --cp-comm-type "
-                         "p2p / all_gather / a2a / a2a+p2p map to them in that order)")
 
 
 # token dims -> (layout, what q, k and v must share)
@@ -107,20 +102,21 @@ def kv_replication(hq: int, hkv: int, size: int) -> int:
 
 def check_ulysses_size(algorithm: str, cp_size: int, hq: int, ulysses_size, hcp_groups) -> None:
     """The all-to-all group size parameters of ``algorithm`` (the groups themselves: :mod:`.hybrid`)."""
-    if algorithm in ("ring", "allgather") and (ulysses_size is not None or hcp_groups is not None):
+    heads = algorithms.get(algorithm).heads
+    if heads == "none" and (ulysses_size is not None or hcp_groups is not None):
         raise ValueError(f"ulysses_size / hcp_groups apply to algorithm='hybrid' (or 'ulysses'), "
                          f"not {algorithm!r}")
-    if algorithm == "ulysses":
+    if heads == "all":
         if hcp_groups is not None or ulysses_size not in (None, cp_size):
-            raise ValueError(f"algorithm='ulysses' spans the whole cp_group (size {cp_size}); got ulysses_size="
+            raise ValueError(f"algorithm={algorithm!r} spans the whole cp_group (size {cp_size}); got ulysses_size="
                              f"{ulysses_size}, hcp_groups={hcp_groups}: use algorithm='hybrid' for a smaller "
                              "a2a group")
         if cp_size > 1 and hq % cp_size != 0:
             kv_replication(hq, 1, cp_size)  # raises the ValueError for hq % cp != 0
-    if algorithm != "hybrid" or cp_size == 1 or hcp_groups is not None:
+    if heads != "groups" or cp_size == 1 or hcp_groups is not None:
         return
     if ulysses_size is None:
-        raise ValueError("algorithm='hybrid' needs ulysses_size= (the all-to-all group size) or hcp_groups=")
+        raise ValueError(f"algorithm={algorithm!r} needs ulysses_size= (the all-to-all group size) or hcp_groups=")
     if not isinstance(ulysses_size, int) or ulysses_size < 1 or cp_size % ulysses_size != 0:
         raise ValueError(f"ulysses_size={ulysses_size} must be a positive divisor of the cp size {cp_size}")
     if hq % ulysses_size != 0:

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from . import algorithms
+
 _GROUPS: dict[tuple[dist.ProcessGroup, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
@@ -83,9 +85,10 @@ def a2a_and_ring_groups(algorithm: str, cp_group, cp_size: int, ulysses_size, hc
     """
     if cp_size == 1:
         return None, None
-    if algorithm in ("ring", "allgather"):  # all-gather uses no sub-group: cp_group as for the ring
+    heads = algorithms.get(algorithm).heads
+    if heads == "none":  # all-gather uses no sub-group: cp_group as for the ring
         return None, cp_group
-    if algorithm == "ulysses":
+    if heads == "all":
         return cp_group, None
     if hcp_groups is not None:
         a2a, ring = check_hcp_groups(hcp_groups, cp_group, cp_size, ulysses_size, hq)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 
 from ..kernels.base import BlockMask
+from . import algorithms
 from .layout import SeqLayout
 from .segments import BlockCall, schedule_blocks
 
@@ -117,15 +118,10 @@ def schedule_pairs(algorithm: str, layout: SeqLayout, mask: BlockMask, ulysses_s
     query of ``1/cp`` of the heads.  ``hybrid``: the ring of the coarse layout over ``1/ulysses_size``
     of the heads.
     """
-    p = layout.cp_size
-    if algorithm == "ring":
-        schedule = ring_schedule(layout, mask)
-        return [schedule.pairs(r) for r in range(p)], 1
-    if algorithm == "allgather":
+    p, algo = layout.cp_size, algorithms.get(algorithm)
+    if algo.gathers_kv:
         return [sum(c.pairs for c in allgather_calls(layout, r, mask)) for r in range(p)], 1
-    if algorithm not in ("ulysses", "hybrid"):
-        raise ValueError(f"algorithm={algorithm!r} is not one of ('ring', 'allgather', 'ulysses', 'hybrid')")
-    u = p if algorithm == "ulysses" else (ulysses_size or 1)
+    u = algo.ulysses_degree(p, ulysses_size)
     schedule = ring_schedule(layout.coarsen(u), mask)
     return [schedule.pairs(r // u) for r in range(p)], u
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from megatron_longctx.attention import algorithms
 from megatron_longctx.config import LongContextConfig
 from megatron_longctx.bench.engine import Variant
 
@@ -207,8 +208,9 @@ def unavailable_reason(config: BenchConfig, cp: int, num_query_groups: int) -> O
     if options.get("model_state_offload") == "host" and not _gpu():
         return ("--longctx-model-state-offload host keeps the model states in host memory, which on a CPU-only "
                 "machine is the memory the ranks train in: run the +states-disk rows")
-    if options.get("cp_algorithm") == "ulysses" and num_query_groups % cp:
-        return f"Ulysses splits heads: --num-query-groups {num_query_groups} is not a multiple of CP={cp}"
+    algorithm = options.get("cp_algorithm", "auto")
+    if algorithm != "auto" and algorithms.get(algorithm).heads == "all" and num_query_groups % cp:
+        return f"{algorithm} splits heads: --num-query-groups {num_query_groups} is not a multiple of CP={cp}"
     try:
         LongContextConfig.from_flat(options)
     except ValueError as exc:

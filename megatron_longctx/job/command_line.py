@@ -219,7 +219,7 @@ def check_flags(megatron_argv: list[str]) -> None:
     check it as the launcher does, before any rank starts: ``ValueError`` naming the flag and the choices."""
     from megatron.training.arguments import add_megatron_arguments
 
-    from megatron_longctx.config import CP_COMM_TYPE_TO_ALGORITHM
+    from megatron_longctx.attention.algorithms import BY_CP_COMM_TYPE
     from megatron_longctx.megatron.arguments import add_longctx_args, check_after_parsing, config_from_args
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -234,10 +234,10 @@ def check_flags(megatron_argv: list[str]) -> None:
     except _Refused as err:
         raise ValueError(str(err)) from None
     comm = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
-    bad = [c for c in comm if c is not None and c not in CP_COMM_TYPE_TO_ALGORITHM]
+    bad = [c for c in comm if c is not None and c not in BY_CP_COMM_TYPE]
     if bad and config_from_args(args).cp.cp_algorithm == "auto":
         raise ValueError(f"argument --cp-comm-type: invalid choice: {bad[0]!r} (choose from "
-                         f"{', '.join(repr(c) for c in sorted(CP_COMM_TYPE_TO_ALGORITHM))}), or set "
+                         f"{', '.join(repr(c) for c in sorted(BY_CP_COMM_TYPE))}), or set "
                          "--longctx-cp-algorithm")
     check_after_parsing(args)
 

@@ -20,8 +20,8 @@ import types
 import typing
 from typing import Any, Optional, Sequence
 
+from megatron_longctx.attention import algorithms
 from megatron_longctx.config import (
-    CP_COMM_TYPE_TO_ALGORITHM,
     FEATURES,
     MEGATRON_FLAGS,
     LongContextConfig,
@@ -296,8 +296,11 @@ def _check_recompute_tiles(args: argparse.Namespace, cfg: LongContextConfig, cp_
     if algorithm == "auto":
         comm = getattr(args, "cp_comm_type", None) or "p2p"
         comms = comm if isinstance(comm, (list, tuple)) else [comm]
-        algorithm = "allgather" if all(CP_COMM_TYPE_TO_ALGORITHM.get(c) == "allgather" for c in comms) else comm
-    if algorithm != "allgather":
+        gathers = all(getattr(algorithms.BY_CP_COMM_TYPE.get(c), "gathers_kv", False) for c in comms)
+        algorithm = comm  # named as the user gave it
+    else:
+        gathers = algorithms.get(algorithm).gathers_kv
+    if not gathers:
         raise ValueError(f"{flag}: a layer replayed in tiles gathers K/V once over the CP group (all-gather), "
                          f"but the CP algorithm is {algorithm!r}; add --cp-comm-type all_gather (or "
                          f"--longctx-cp-algorithm allgather), or set {flag} 0")

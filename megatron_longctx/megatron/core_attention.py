@@ -29,11 +29,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_longctx.attention import cp_attention
+from megatron_longctx.attention import algorithms, cp_attention
 from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention.sinks import SOFTMAX_TYPES
 from megatron_longctx.attention.tiled import TiledKV
-from megatron_longctx.config import CP_COMM_TYPE_TO_ALGORITHM, ContextParallelConfig
+from megatron_longctx.config import ContextParallelConfig
 from megatron_longctx.memory import tiled_recompute
 from megatron_longctx.megatron.local_attention import LocalAttentionArgs, local_attention_sbhd, local_attention_thd
 from megatron_longctx.megatron.nvtx import NvtxRanges  # noqa: F401  (public name, kept here for callers)
@@ -78,10 +78,7 @@ def resolve_algorithm(config: TransformerConfig, layer_number: int, passed_comm_
     if cp_config.cp_algorithm != "auto":
         return cp_config.cp_algorithm
     comm_type = _layer_comm_type(config, layer_number, passed_comm_type)
-    if comm_type not in CP_COMM_TYPE_TO_ALGORITHM:
-        raise ValueError(f"--cp-comm-type {comm_type!r} (layer {layer_number}) is not supported; choose one of "
-                         f"{', '.join(sorted(CP_COMM_TYPE_TO_ALGORITHM))}, or set --longctx-cp-algorithm")
-    return CP_COMM_TYPE_TO_ALGORITHM[comm_type]
+    return algorithms.for_cp_comm_type(comm_type, f" (layer {layer_number})").name
 
 
 def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int, int]]:
@@ -190,9 +187,10 @@ class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
                                                    tp_group=self.tp_group, dp_cp_group=dp_cp)
 
     def _ulysses_size(self, algorithm: str, config: TransformerConfig) -> Optional[int]:
-        if algorithm == "ulysses":
+        heads = algorithms.get(algorithm).heads
+        if heads == "all":
             return self.cp_size
-        if algorithm != "hybrid":
+        if heads != "groups":
             return None
         if self.cp_config.cp_ulysses_size:
             size = self.cp_config.cp_ulysses_size
@@ -281,7 +279,7 @@ class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
         if self._dense_mask(attention_mask, mask_type) is not None:
             raise ValueError("--longctx-recompute-tiles: an arbitrary attention_mask is not replayed in tiles; "
                              "use causal masking (--no-create-attention-mask-in-dataloader)")
-        if self.cp_size > 1 and self.settings.algorithm != "allgather":
+        if self.cp_size > 1 and not algorithms.get(self.settings.algorithm).gathers_kv:
             raise ValueError(f"--longctx-recompute-tiles: a layer replayed in tiles gathers K/V once over the CP "
                              f"group (all-gather attention), but this layer runs {self.settings.algorithm!r}; "
                              "set --longctx-cp-algorithm allgather (or --cp-comm-type all_gather)")

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
+from megatron_longctx.attention import algorithms
 from megatron_longctx.config import (
     FEATURES,
     MEGATRON_FLAGS,
@@ -24,8 +25,6 @@ from .model import GIB, ModelShape
 from .search import Plan
 from .state_offload import state_offload
 
-# Megatron's --cp-comm-type -> the plugin's algorithm (the plugin's "auto" follows --cp-comm-type too).
-_ALGORITHM = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}
 # The planner's attention backends that name one of the plugin's kernels (auto: the plugin picks).
 _KERNEL = {"flash_attn2": "flash_attn", "flash_attn3": "flash_attn", "sdpa_cuda": "sdpa_cuda"}
 HOST_POOL_MARGIN = 1.1
@@ -37,7 +36,7 @@ def longctx_options(plan: Plan) -> dict[str, Any]:
     opt, par = plan.options, plan.parallel
     out: dict[str, Any] = {}
     if par.cp > 1 and opt.attention_backend != "te_cudnn":  # te_cudnn: Megatron's own TE attention and CP
-        out["cp_algorithm"] = _ALGORITHM[par.cp_comm_type]
+        out["cp_algorithm"] = algorithms.for_cp_comm_type(par.cp_comm_type).name
     if opt.attention_backend in _KERNEL:
         out["cp_kernel_backend"] = _KERNEL[opt.attention_backend]
     if opt.offload == "checkpoint":  # the plugin's full recompute owns the checkpoints it offloads
