@@ -256,7 +256,7 @@ class _AttentionCalls:
         self._handles = [m.register_forward_pre_hook(self._seen, with_kwargs=True) for m in mods]
 
     def _seen(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        replay = module.replay
+        replay = module.replay_port.replay
         self.modes.add("whole" if replay is None else replay.mode.value)
         query = args[0] if args else kwargs["query"]  # [s, b, np, hn]
         self.max_rows = max(self.max_rows, query.shape[0])

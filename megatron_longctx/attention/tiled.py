@@ -96,7 +96,7 @@ class TiledKV:
 
     def attend(self, q: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Attention of query tile ``[lo, hi)``, q ``[t', b, h_q, d_qk]`` -> ``[t', b, h_q, d_v]``."""
-        return _TileAttention.apply(q, self, lo, hi)
+        return _AttendTile.apply(q, self, lo, hi)
 
     def reduce_grads(self) -> None:
         """Sum every rank's dK/dV contributions into the owner's share; drop the gathered tensors.
@@ -128,7 +128,7 @@ class TiledKV:
         self._k = self._v = self.k_all = self.v_all = self.dkv_all = self._dk = self._dv = self._bufs = None
 
 
-class _TileAttention(torch.autograd.Function):
+class _AttendTile(torch.autograd.Function):
     """One query tile against the gathered K/V; backward adds into the gathered dK/dV."""
 
     @staticmethod

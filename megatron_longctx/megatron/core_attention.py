@@ -30,13 +30,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_longctx.attention import algorithms, cp_attention
-from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention.sinks import SOFTMAX_TYPES
-from megatron_longctx.attention.tiled import TiledKV
 from megatron_longctx.config import ContextParallelConfig
-from megatron_longctx.memory import tiled_recompute
+from megatron_longctx.memory.tiled_recompute import ReplayPort
 from megatron_longctx.megatron.local_attention import LocalAttentionArgs, local_attention_sbhd, local_attention_thd
-from megatron_longctx.megatron.nvtx import NvtxRanges  # noqa: F401  (public name, kept here for callers)
+from megatron_longctx.megatron.tiled_attention import attend_tile
 
 # Self-attention (sq == sk): bottom-right aligned causal is plain causal.
 _CAUSAL_TYPES = tuple(t for t in (AttnMaskType.causal, AttnMaskType.padding_causal,
@@ -98,7 +96,7 @@ def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int,
     return (int(left), int(right))
 
 
-class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
+class ContextParallelAttention(MegatronModule):
     """Megatron ``core_attention`` backed by context-parallel attention (ring / all-gather / Ulysses / hybrid).
 
     Built by Megatron's ``Attention.__init__`` with keywords ``config, layer_number, attn_mask_type,
@@ -133,6 +131,7 @@ class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.tp_group, self.cp_group, self.hcp_groups = _groups(pg_collection)
+        self.replay_port = ReplayPort()  # --longctx-recompute-tiles hands a layer's replay in here
         self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
         tp_size = self.tp_group.size() if self.tp_group is not None else 1
         self.num_heads = _divide(config.num_attention_heads, tp_size, "--num-attention-heads",
@@ -213,7 +212,7 @@ class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
             return
         if self.num_heads % a2a != 0:
             raise ValueError(
-                f"--cp-comm-type {'a2a' if self.settings.algorithm == 'ulysses' else 'a2a+p2p'} (Ulysses) splits heads "
+                f"--cp-comm-type {algorithms.get(self.settings.algorithm).cp_comm_type} (Ulysses) splits heads "
                 f"over {a2a} ranks, but each tensor-parallel rank has {self.num_heads} query heads "
                 f"(--num-attention-heads / --tensor-model-parallel-size); make them divisible, change "
                 f"--context-parallel-size, or use --cp-comm-type p2p")
@@ -235,9 +234,11 @@ class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
                              "(e.g. drop --position-embedding-type alibi-style biases) or use Megatron's attention")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         dropout_p = self.settings.dropout_p if self.training else 0.0
-        if self.replay is not None:  # a layer replayed in sequence tiles handed us its replay
-            return self._forward_tile(self.replay, query, key, value, attention_mask, mask_type, dropout_p,
-                                      packed_seq_params)
+        replay = self.replay_port.replay
+        if replay is not None:  # a layer replayed in sequence tiles handed us its replay
+            return attend_tile(self, replay, query, key, value, causal=mask_type in _CAUSAL_TYPES,
+                               dense_mask=self._dense_mask(attention_mask, mask_type), dropout_p=dropout_p,
+                               packed=packed_seq_params is not None)
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd":
             return self._forward_thd(query, key, value, mask_type, dropout_p, packed_seq_params)
         dense_mask = self._dense_mask(attention_mask, mask_type)
@@ -262,38 +263,6 @@ class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
         # [sq, b, np, hn_v] -> [sq, b, np*hn_v]
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _forward_tile(self, replay: tiled_recompute.Replay, query, key, value, attention_mask, mask_type, dropout_p: float,
-                      packed_seq_params: Any) -> torch.Tensor:
-        """One tile of a layer replayed in sequence tiles (``--longctx-recompute-tiles``, see
-        :mod:`megatron_longctx.memory.tiled_recompute`): store K/V, attend the tile's queries, or hand
-        back the tile's K/V gradients."""
-        if packed_seq_params is not None:
-            raise ValueError("--longctx-recompute-tiles: packed sequences (THD) are not replayed in tiles; "
-                             "set --longctx-recompute-tiles 0")
-        if self.softmax_offset is not None:
-            raise ValueError(f"--longctx-recompute-tiles: attention sinks (--softmax-type {self.softmax_type}) are "
-                             "not replayed in tiles; set --longctx-recompute-tiles 0 or --softmax-type vanilla")
-        if dropout_p > 0:
-            raise ValueError(f"--longctx-recompute-tiles: attention dropout ({dropout_p}) would draw other masks "
-                             "per tile; set --attention-dropout 0")
-        if self._dense_mask(attention_mask, mask_type) is not None:
-            raise ValueError("--longctx-recompute-tiles: an arbitrary attention_mask is not replayed in tiles; "
-                             "use causal masking (--no-create-attention-mask-in-dataloader)")
-        if self.cp_size > 1 and not algorithms.get(self.settings.algorithm).gathers_kv:
-            raise ValueError(f"--longctx-recompute-tiles: a layer replayed in tiles gathers K/V once over the CP "
-                             f"group (all-gather attention), but this layer runs {self.settings.algorithm!r}; "
-                             "set --longctx-cp-algorithm allgather (or --cp-comm-type all_gather)")
-        causal = mask_type in _CAUSAL_TYPES
-
-        def make() -> TiledKV:
-            args = attention_args(query, causal, self.settings.softmax_scale, self.settings.window_size,
-                                  self.settings.backend)
-            return TiledKV(self.cp_group if self.cp_size > 1 else None, replay.seq_len, args)
-
-        replay.state_for(make)
-        out = replay.step(query, key, value)  # [t, b, np, hn_v]
-        return out.reshape(out.shape[0], out.shape[1], -1)
-
     def _dense_mask(self, attention_mask: Optional[torch.Tensor], mask_type: AttnMaskType) -> Optional[torch.Tensor]:
         """Causal / no-mask layers ignore ``attention_mask`` (as TE does); others need one CP rank."""
         if mask_type in _SUPPORTED_TYPES or attention_mask is None:
@@ -315,7 +284,7 @@ class ContextParallelAttention(tiled_recompute.TileAttention, MegatronModule):
     def _cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       packing: Any = None) -> torch.Tensor:
         extra: dict[str, Any] = {} if packing is None else {"packing": packing}
-        if self.settings.algorithm == "hybrid":
+        if algorithms.get(self.settings.algorithm).heads == "groups":
             hcp = self._hierarchical_groups()
             extra.update({"hcp_groups": hcp} if hcp is not None else {"ulysses_size": self.settings.ulysses_size})
         return cp_attention(

@@ -24,10 +24,11 @@ Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`; a fused line
 into ``main_grad`` is honoured, its placeholder dropped) and returned by one autograd node,
 so gradient hooks (Megatron's DDP) fire once per parameter, as without tiling.
 
-The layer's attention takes part as a :class:`TileAttention`: the replay is handed to it for each pass
-(:meth:`TileAttention.replaying`), and it runs :meth:`Replay.step` on its tile (``lo``, ``hi``) with the
-per-layer state it keeps in :meth:`Replay.state_for`
-(:class:`megatron_longctx.megatron.core_attention.ContextParallelAttention` is one).
+The layer's attention takes part through the :class:`ReplayPort` it holds as ``replay_port``: the
+replay is handed in through it for each pass (:meth:`ReplayPort.replaying`), and the attention runs
+:meth:`Replay.step` on its tile (``lo``, ``hi``) with the per-layer state it keeps in
+:meth:`Replay.state_for` (:class:`megatron_longctx.megatron.core_attention.ContextParallelAttention`
+holds one).
 Dropout is not replayed per tile (a tile would draw other masks than the whole layer): callers
 refuse it.
 """
@@ -112,11 +113,12 @@ class Replay:
         return kv.attend(query, self.lo, self.hi)
 
 
-class TileAttention:
-    """Mixin of an attention module that takes part in a replay: :attr:`replay` is the replay handed to it
-    for the pass in progress (``None`` outside one)."""
+class ReplayPort:
+    """Held by an attention module as ``replay_port``: the replay handed in for the pass in progress
+    (:attr:`replay`, ``None`` outside one).  A collaborator, so the attention inherits nothing from here."""
 
-    replay: Optional[Replay] = None
+    def __init__(self) -> None:
+        self.replay: Optional[Replay] = None
 
     @contextlib.contextmanager
     def replaying(self, replay: Replay) -> Iterator[None]:
@@ -127,9 +129,9 @@ class TileAttention:
             self.replay = before
 
 
-def tile_attention_of(layer: Any) -> TileAttention:
-    """The one :class:`TileAttention` inside ``layer`` (a module), which the replay hands itself to."""
-    found = [m for m in layer.modules() if isinstance(m, TileAttention)]
+def replay_port_of(layer: Any) -> ReplayPort:
+    """The one :class:`ReplayPort` inside ``layer`` (a module's ``replay_port``), which the replay is handed to."""
+    found = [port for m in layer.modules() if isinstance(port := getattr(m, "replay_port", None), ReplayPort)]
     if not found:
         raise ValueError("--longctx-recompute-tiles: the layer has no attention that takes part in a tiled replay; "
                          "build the model with megatron_longctx.apply_to_spec (ContextParallelAttention as "
@@ -159,7 +161,7 @@ class _TiledCall:
     kwargs: dict
     num_tiles: int
     rng: RngSnapshot
-    attention: TileAttention  # the layer's attention, handed the replay for each pass
+    port: ReplayPort  # the layer's attention's port, through which each pass hands it the replay
     grad_target: Optional[residual_offload.Target] = None  # --longctx-offload-residual-grad: where dx may stream
     output_over_input: bool = False  # --longctx-tiled-output-over-input
     out_spec: Any = None
@@ -196,7 +198,7 @@ def _with_next(tiles: list) -> list:
 def _collect(call: _TiledCall, rows: Rows, seq_len: int, with_grads: bool) -> Replay:
     """Pass 1: every tile's K/V stored by the core attention, then gathered."""
     replay = Replay(seq_len=seq_len)
-    with torch.no_grad(), call.attention.replaying(replay):
+    with torch.no_grad(), call.port.replaying(replay):
         for (lo, hi), ahead in _with_next(tile_bounds(seq_len, call.num_tiles)):
             replay.lo, replay.hi = lo, hi
             try:
@@ -219,7 +221,7 @@ def _forward(call: _TiledCall, x: torch.Tensor,
     replay = _collect(call, lambda lo, hi, ahead: x[lo:hi], x.shape[0], with_grads=False)
     replay.mode = Pass.ATTEND
     outs: list[torch.Tensor] = []
-    with torch.no_grad(), call.attention.replaying(replay):
+    with torch.no_grad(), call.port.replaying(replay):
         for lo, hi in tile_bounds(x.shape[0], call.num_tiles):
             replay.lo, replay.hi = lo, hi
             leaves, spec = pytree.tree_flatten(call.run_tile(x[lo:hi], lo, hi))
@@ -311,7 +313,7 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
     for (lo, hi), ahead in _with_next(tiles):
         replay.lo, replay.hi = lo, hi
         x_t = rows(lo, hi, ahead).detach().requires_grad_(True)
-        with torch.enable_grad(), call.attention.replaying(replay):
+        with torch.enable_grad(), call.port.replaying(replay):
             leaves = pytree.tree_leaves(call.run_tile(x_t, lo, hi))
         outs, out_grads = [], []
         for i, g in zip(call.token_slots, grads):
@@ -328,7 +330,7 @@ def _backward(call: _TiledCall, rows: Rows, dx: _InputGrad, params: tuple, grads
         replay.lo, replay.hi = lo, hi
         x_t = rows(lo, hi, ahead).detach().requires_grad_(True)
         try:
-            with torch.enable_grad(), call.attention.replaying(replay):
+            with torch.enable_grad(), call.port.replaying(replay):
                 call.run_tile(x_t, lo, hi)
         except ReplayStop as stop:
             got = dparams.grad(stop.outputs, (x_t,), stop.grads)
@@ -401,14 +403,14 @@ class TiledCheckpointFunction(torch.autograd.Function):
         return (None, grad_buffers.own(dx.dense, ctx.watch), *dparams)
 
 
-def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any, attention: TileAttention,
+def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *args: Any, port: ReplayPort,
                      grad_target: Optional[residual_offload.Target] = None, output_over_input: bool = False,
                      ranges: Optional[RangeStack] = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a transformer layer) kept as its input and replayed in ``num_tiles`` tiles.
 
     The first argument (or ``hidden_states``) is ``[s, b, h]``, cut along ``s``; the rotary
     embeddings (:data:`PER_TOKEN_KWARGS`) are cut with it; ``params()`` gives the layer's parameters;
-    ``attention``: the layer's :class:`TileAttention` (:func:`tile_attention_of`).
+    ``port``: the layer's attention's :class:`ReplayPort` (:func:`replay_port_of`).
     Every tensor output with one row per token is concatenated over the tiles; other outputs come
     from the first tile.  ``grad_target``: the input's gradient may stream there (:mod:`residual_offload`).
     ``output_over_input``: the first output is written over the input's memory when the checkpoint
@@ -428,7 +430,7 @@ def tiled_checkpoint(fn: Callable, num_tiles: int, params: Callable[[], Any], *a
         raise ValueError("--longctx-recompute-tiles: only the layer's hidden states may require grad "
                          "(another tensor argument does); set --longctx-recompute-tiles 0")
     call = _TiledCall(fn=fn, positional=bool(args), rest=tuple(args[1:]), kwargs=kwargs, num_tiles=num_tiles,
-                      rng=RngSnapshot.capture(), attention=attention, grad_target=grad_target,
+                      rng=RngSnapshot.capture(), port=port, grad_target=grad_target,
                       output_over_input=output_over_input, ranges=ranges)
     trainable = tuple(p for p in params() if p.requires_grad)
     outs = TiledCheckpointFunction.apply(call, x, *trainable)

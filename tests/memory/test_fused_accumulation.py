@@ -103,7 +103,7 @@ def test_tiled_replay_honours_fused_weight_accumulation():
     params = list(fused.parameters())
     earlier = [torch.randn(p.shape, dtype=torch.float32) for p in params]
     finish = _ddp(params, earlier)
-    y, _ = tiled_recompute.tiled_checkpoint(fused, 4, fused.parameters, x0 * 1.5, attention=fused)
+    y, _ = tiled_recompute.tiled_checkpoint(fused, 4, fused.parameters, x0 * 1.5, port=fused.replay_port)
     y.backward(dy)
     finish()
     torch.testing.assert_close(x0.grad, want[0], rtol=1e-10, atol=1e-12)

@@ -120,7 +120,7 @@ def test_stacked_tiled_layers_share_one_gradient_buffer(monkeypatch):
         y = x0 * 1.5
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):  # a copying packer
             for layer in layers:
-                y, _ = (tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, y, attention=layer)
+                y, _ = (tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, y, port=layer.replay_port)
                         if tiles else layer(y))
         with LiveTensors() as live:
             held = (dy.view_as(dy), x0.view_as(x0), *(p.view_as(p) for p in params))
@@ -153,7 +153,7 @@ def test_tiled_layer_adds_parameter_gradients_into_megatron_main_grad():
     earlier = [torch.randn(p.shape, dtype=torch.float32) for p in params]
     for p, e in zip(params, earlier):
         p.main_grad, p.grad_added_to_main_grad = e.clone(), False
-    y, _ = tiled_recompute.tiled_checkpoint(layer, 4, layer.parameters, x0 * 1.5, attention=layer)
+    y, _ = tiled_recompute.tiled_checkpoint(layer, 4, layer.parameters, x0 * 1.5, port=layer.replay_port)
     (dx,) = torch.autograd.grad(y, x0, dy)
     torch.testing.assert_close(dx, want[0], rtol=1e-10, atol=1e-12)
     for p, e, g in zip(params, earlier, want[1:]):

@@ -47,7 +47,7 @@ def _model(target, extra_use=False, hook=False, tiles=5):
         middle = None
         for i, layer in enumerate(layers):
             if tiles:
-                h, _ = tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, attention=layer,
+                h, _ = tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, port=layer.replay_port,
                                                         grad_target=target)
             else:
                 h, _ = layer(h)

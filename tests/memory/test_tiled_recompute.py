@@ -107,7 +107,7 @@ def test_tile_attention_cp2_matches_whole_sequence_float64():
     run_ranks(2, _tiled_kv_cp2)
 
 
-class _ToyLayer(tiled_recompute.TileAttention, torch.nn.Module):
+class _ToyLayer(torch.nn.Module):
     """Norm-free pre-attention projection, causal attention, output projection and residual; its attention
     takes part in a tiled replay as ContextParallelAttention does."""
 
@@ -116,11 +116,12 @@ class _ToyLayer(tiled_recompute.TileAttention, torch.nn.Module):
         self.heads, self.d = heads, h // heads
         self.qkv = torch.nn.Linear(h, 3 * h, dtype=torch.float64)
         self.out = torch.nn.Linear(h, h, dtype=torch.float64)
+        self.replay_port = tiled_recompute.ReplayPort()
 
     def forward(self, hidden_states, scale=1.0):
         t, b, _ = hidden_states.shape
         q, k, v = (x.reshape(t, b, self.heads, self.d) for x in self.qkv(hidden_states).chunk(3, dim=-1))
-        replay = self.replay
+        replay = self.replay_port.replay
         if replay is None:
             o = sequence_attention(q, k, v, True, None, self.d ** -0.5)
         else:
@@ -139,7 +140,7 @@ def test_tiled_checkpoint_of_a_toy_layer_matches_float64_and_keeps_no_input():
         layer.zero_grad()
         h = x0 * 1.5  # the layer input, a non-leaf the caller lets go of
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):  # a copying packer
-            y, none = (tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, attention=layer, scale=0.5)
+            y, none = (tiled_recompute.tiled_checkpoint(layer, tiles, layer.parameters, h, port=layer.replay_port, scale=0.5)
                        if tiles else layer(h, scale=0.5))
         alive = weakref.ref(h)
         del h
@@ -170,7 +171,7 @@ def test_an_offloaded_layer_input_comes_back_one_tile_at_a_time(tmp_path):
     off = ActivationOffloader(MemoryConfig(recompute_granularity="full", offload_policy="checkpoint",
                                            offload_target="disk", offload_min_bytes=0, offload_disk_dir=str(tmp_path)))
     with hooks.packing(off), hooks.layer_scope(0):
-        y, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, x0 * 1.5, attention=layer)
+        y, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, x0 * 1.5, port=layer.replay_port)
     got = torch.autograd.grad(y, (x0, *layer.parameters()), dy)
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
     for g, want in zip(got, ref):
@@ -206,7 +207,7 @@ def test_outputs_over_inputs_with_the_residual_gradient_streamed_match_float64(t
     with hooks.packing(off):
         for i, layer in enumerate(layers):
             with hooks.layer_scope(i):
-                out, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, h, attention=layer,
+                out, _ = tiled_recompute.tiled_checkpoint(layer, 5, layer.parameters, h, port=layer.replay_port,
                                                           grad_target=target, output_over_input=True)
             assert out is h and out.data_ptr() == first  # the input tensor, now holding the output
             h = out

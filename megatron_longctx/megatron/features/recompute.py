@@ -30,7 +30,7 @@ from megatron_longctx.memory.recompute import (
     checkpoint,
     full_recompute_layers,
 )
-from megatron_longctx.memory.tiled_recompute import tile_attention_of, tiled_checkpoint
+from megatron_longctx.memory.tiled_recompute import replay_port_of, tiled_checkpoint
 from megatron_longctx.patching import patch
 
 _MEGATRON_RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers")
@@ -69,7 +69,7 @@ def wrap_layer(layer: torch.nn.Module, plan: LayerPlan) -> Callable[[], None]:
     original = layer.forward
     offloader, discard = plan.offloader, plan.discard
     tiled = plan.recompute and plan.tiles > 1
-    attention = tile_attention_of(layer) if tiled else None
+    port = replay_port_of(layer) if tiled else None
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -83,7 +83,7 @@ def wrap_layer(layer: torch.nn.Module, plan: LayerPlan) -> Callable[[], None]:
                 stack.enter_context(hooks.packing(discard))
             try:
                 if tiled:
-                    return tiled_checkpoint(original, plan.tiles, layer.parameters, *args, attention=attention,
+                    return tiled_checkpoint(original, plan.tiles, layer.parameters, *args, port=port,
                                             grad_target=plan.grad_target, output_over_input=plan.output_over_input,
                                             ranges=NvtxRanges(), **kwargs)
                 return checkpoint(original, *args, **kwargs) if plan.recompute else original(*args, **kwargs)
