@@ -26,11 +26,8 @@ from .packed_sharding import (
 )
 from .schedule import packed_pairs
 
-PackedLayout = SeqLayout  # the packed-only layout's name before dense and packed shared one
-
 __all__ = [
     "Packing",
-    "PackedLayout",
     "PackedSeqFields",
     "SeqLayout",
     "cp_attention_packed",

@@ -131,5 +131,3 @@ def packed_pairs(algorithm: str, layout: SeqLayout, mask: BlockMask, ulysses_siz
     pairs, divisor = schedule_pairs(algorithm, layout, mask, ulysses_size)
     return [n / divisor for n in pairs]
 
-
-packed_ring_schedule = ring_schedule  # the name of the packed-only builder before dense and packed shared one

@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import random
 
-from megatron_longctx.attention.layout import Packing, SeqLayout as PackedLayout
-from megatron_longctx.attention.schedule import ring_schedule as packed_ring_schedule
+from megatron_longctx.attention.layout import Packing, SeqLayout
+from megatron_longctx.attention.schedule import ring_schedule
 from megatron_longctx.attention.segments import visible_pairs
 from megatron_longctx.kernels import varlen
 from megatron_longctx.kernels.base import BlockArgs, BlockMask
@@ -67,7 +67,7 @@ def rank_pairs(scheme: str, packing: Packing, cp: int, mask: BlockMask) -> list[
         c = t // (2 * cp)
         return [_intervals_pairs(packing, [(r * c, (r + 1) * c), ((2 * cp - 1 - r) * c, (2 * cp - r) * c)], mask)
                 for r in range(cp)]
-    schedule = packed_ring_schedule(PackedLayout(packing, cp), mask)
+    schedule = ring_schedule(SeqLayout(packing, cp), mask)
     return [schedule.pairs(r) for r in range(cp)]
 
 
@@ -86,8 +86,8 @@ def measure(lengths: list[int], cp: int, mask: BlockMask, heads: int, head_dim: 
             "max_over_mean": max(flops) / mean if mean else 0.0,
             "max_over_min": max(flops) / min(flops) if min(flops) else float("inf"),
         }
-    layout = PackedLayout(packing, cp)
-    schedule = packed_ring_schedule(layout, mask)
+    layout = SeqLayout(packing, cp)
+    schedule = ring_schedule(layout, mask)
     result["ring_steps"] = len(schedule.offsets)
     result["kernel_calls_per_rank"] = [sum(len(step[r]) for step in schedule.calls) for r in range(cp)]
     result["varlen_calls_per_rank"] = [sum(varlen_calls(step[r], mask) for step in schedule.calls) for r in range(cp)]

@@ -8,7 +8,7 @@ contract is in :mod:`.base`): :mod:`.reference` (plain PyTorch, the test oracle)
 
 from . import cpu_flash, flash_attn, reference, sdpa_cuda
 from .base import BlockArgs, BlockMask, KernelUnsupported, LiveBlock, Visibility, check_shapes
-from .merge import merge, merge_, merge_into
+from .merge import merge, merge_
 from .select import BACKENDS, get_kernel, kernel_for
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "kernel_for",
     "merge",
     "merge_",
-    "merge_into",
     "reference",
     "sdpa_cuda",
 ]

@@ -46,12 +46,3 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse:
     out_acc.mul_(w_acc).addcmul_(out, w)
     lse_acc.copy_(new)
 
-
-def merge_into(
-    out_acc: torch.Tensor | None, lse_acc: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold one more partial into an accumulator that may still be empty (``None``)."""
-    if out_acc is None:
-        acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-        return out.to(acc), lse.to(torch.promote_types(lse.dtype, torch.float32))
-    return merge(out_acc, lse_acc, out, lse)

@@ -239,6 +239,9 @@ class ContextParallelAttention(MegatronModule):
             return attend_tile(self, replay, query, key, value, causal=mask_type in _CAUSAL_TYPES,
                                dense_mask=self._dense_mask(attention_mask, mask_type), dropout_p=dropout_p,
                                packed=packed_seq_params is not None)
+        if self.cp_size > 1 and dropout_p > 0:
+            raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism "
+                             f"(--context-parallel-size {self.cp_size}); set --attention-dropout 0")
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd":
             return self._forward_thd(query, key, value, mask_type, dropout_p, packed_seq_params)
         dense_mask = self._dense_mask(attention_mask, mask_type)
@@ -252,9 +255,6 @@ class ContextParallelAttention(MegatronModule):
             # One rank: the block kernels of --longctx-cp-kernel-backend, no communication.
             out = self._cp_attention(query, key, value, causal=mask_type in _CAUSAL_TYPES)
         else:
-            if dropout_p > 0:
-                raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism "
-                                 f"(--context-parallel-size {self.cp_size}); set --attention-dropout 0")
             if query.shape[0] % 2 != 0:
                 raise ValueError(f"each CP rank holds two zigzag chunks, but got {query.shape[0]} local tokens: "
                                  f"--seq-length must be divisible by 2 x --context-parallel-size "
@@ -305,9 +305,6 @@ class ContextParallelAttention(MegatronModule):
         if mask_type not in _SUPPORTED_TYPES:
             raise ValueError(f"packed sequences support causal/padding_causal/no_mask attention, got {mask_type.name}")
         if self.cp_size > 1:
-            if dropout_p > 0:
-                raise ValueError(f"attention dropout ({dropout_p}) is not supported with context parallelism "
-                                 f"(--context-parallel-size {self.cp_size}); set --attention-dropout 0")
             from megatron_longctx.attention import Packing
 
             out = self._cp_attention(q, k, v, causal=mask_type in _CAUSAL_TYPES,

@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 from megatron_longctx.attention.packed import (
     Packing,
-    PackedLayout,
+    SeqLayout,
     cp_attention_packed,
     gather_packed_shards,
     group_order,
@@ -28,7 +28,7 @@ from megatron_longctx.attention.packed import (
     shard_packed,
     unpad_packed,
 )
-from megatron_longctx.attention.schedule import ring_schedule as packed_ring_schedule
+from megatron_longctx.attention.schedule import ring_schedule
 from megatron_longctx.kernels.base import BlockMask
 from tests.oracle import document_attention
 
@@ -51,7 +51,7 @@ def te_partitioned_indices(cu_seqlens_padded: list[int], cp: int, rank: int) -> 
 @pytest.mark.parametrize("lengths", LENGTHS)
 def test_partition_matches_te_rule_and_round_trips(cp, lengths):
     packing = Packing.from_lengths(lengths, cp)
-    layout = PackedLayout(packing, cp)
+    layout = SeqLayout(packing, cp)
     x = torch.randn(packing.padded_total, 3)
     shards = []
     for r in range(cp):
@@ -110,7 +110,7 @@ def test_padding_helpers_and_batch():
              "attention_mask": None}
     for r in range(cp):
         local, fields = packed_batch_on_this_cp_rank(batch, packing, r, cp)
-        index = partition_index(PackedLayout(packing, cp), r)
+        index = partition_index(SeqLayout(packing, cp), r)
         assert torch.equal(local["tokens"][0], padded[index])
         assert torch.equal(local["labels"][0], padded[index] + 100)
         assert torch.equal(local["loss_mask"][0], (padded[index] >= 0).float())
@@ -139,7 +139,7 @@ def _brute_pairs(packing: Packing, mask: BlockMask) -> int:
 def test_schedules_cover_each_document_pair_once(mask):
     cp = 4
     packing = Packing.from_lengths((1, 7, 40, 3, 9), cp)
-    layout = PackedLayout(packing, cp)
+    layout = SeqLayout(packing, cp)
     expected = _brute_pairs(packing, mask)
     for algorithm, u in (("ring", 1), ("allgather", 1), ("ulysses", 1), ("hybrid", 2)):
         pairs = packed_pairs(algorithm, layout, mask, ulysses_size=u)
@@ -148,16 +148,16 @@ def test_schedules_cover_each_document_pair_once(mask):
 
 def test_ring_skips_offsets_without_visible_pairs():
     cp = 4
-    layout = PackedLayout(Packing.from_lengths((64, 13), cp), cp)
+    layout = SeqLayout(Packing.from_lengths((64, 13), cp), cp)
     # A window of 2 on chunks of 8 and 2 tokens: only neighbouring chunks meet, on ranks r-1, r, r+1.
-    assert packed_ring_schedule(layout, BlockMask(True, (2, 0))).offsets == (0, 1, 3)
+    assert ring_schedule(layout, BlockMask(True, (2, 0))).offsets == (0, 1, 3)
     # Chunks of 1 token (a 5-token document): a query also sees the chunk two back, on rank r-2.
-    short = PackedLayout(Packing.from_lengths((64, 5), cp), cp)
-    assert packed_ring_schedule(short, BlockMask(True, (2, 0))).offsets == (0, 1, 2, 3)
-    assert packed_ring_schedule(layout, BlockMask(True)).offsets == (0, 1, 2, 3)
+    short = SeqLayout(Packing.from_lengths((64, 5), cp), cp)
+    assert ring_schedule(short, BlockMask(True, (2, 0))).offsets == (0, 1, 2, 3)
+    assert ring_schedule(layout, BlockMask(True)).offsets == (0, 1, 2, 3)
     # Single-token documents: every rank but 0 holds only padding, and rank 0 sees only itself.
-    tiny = PackedLayout(Packing.from_lengths((1, 1, 1), cp), cp)
-    schedule = packed_ring_schedule(tiny, BlockMask(True))
+    tiny = SeqLayout(Packing.from_lengths((1, 1, 1), cp), cp)
+    schedule = ring_schedule(tiny, BlockMask(True))
     assert schedule.offsets == (0,) and [len(c) for c in schedule.calls[0]] == [3, 0, 0, 0]
 
 
@@ -194,7 +194,7 @@ def test_bad_inputs_raise():
     packing = Packing.from_cu_seqlens(torch.tensor([0, 3, 8], dtype=torch.int32),
                                       torch.tensor([0, 4, 12], dtype=torch.int32))
     with pytest.raises(ValueError, match="document 0 has a padded length of 4 .* not a multiple of 2\\*cp=16"):
-        PackedLayout(packing, 8)  # slots of 4 and 8 tokens cannot split into 16 chunks
+        SeqLayout(packing, 8)  # slots of 4 and 8 tokens cannot split into 16 chunks
     x = torch.zeros(12, 2, 4)
     with pytest.raises(ValueError, match=r"x.shape\[0\]=11 must equal cu_seqlens_padded\[-1\]=12"):
         shard_packed(x[:11], packing, 0, 2)
