@@ -18,8 +18,8 @@ from .args import AttentionArgs
 from .block_loop import GradSum, Rows, attend_segments, attend_segments_backward, new_accumulators
 from .comm import all_gather, pack, reduce_scatter
 from .layout import SeqLayout, from_ranks, pooled_index, to_ranks
+from .pattern import PatternAttention
 from .schedule import allgather_calls
-from .sinks import SinkedAttention
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, index):
@@ -85,7 +85,7 @@ def allgather_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class AllGatherAttention(SinkedAttention):
+class AllGatherAttention(PatternAttention):
     """``apply(q, k, v, group, layout, args, sink=None)``: :func:`allgather_forward` / :func:`allgather_backward`
     with the attention sinks (:mod:`.sinks`)."""
 

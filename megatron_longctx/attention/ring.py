@@ -31,9 +31,9 @@ from .block_loop import (
     attend_whole_backward,
 )
 from .comm import RingComm, pack, unpack
+from .pattern import PatternAttention
 from .schedule import RingSchedule
 from .segments import split_for_overlap, whole
-from .sinks import SinkedAttention
 
 
 # Local tokens up to which the ring backward splits its local block around the remote steps
@@ -177,7 +177,7 @@ def _step_backward(rows: Rows, k_i, v_i, calls, args: AttentionArgs, dq: GradSum
     attend_segments_backward(rows, k_i, v_i, calls, args.softmax_scale, args.backend, dq, dkv)
 
 
-class RingAttention(SinkedAttention):
+class RingAttention(PatternAttention):
     """``apply(q, k, v, group, schedule, args, sink=None)``: :func:`ring_forward` / :func:`ring_backward` with
     the attention sinks (:mod:`.sinks`)."""
 
