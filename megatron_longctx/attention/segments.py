@@ -108,27 +108,15 @@ def _rect_mask(mask: BlockMask, q_segs, k_segs, q_off, k_off, vis, rect) -> tupl
 
 
 def _trim(mask: BlockMask, q_lo, q_hi, q_start, k_lo, k_hi, k_start) -> BlockCall | None:
-    """Drop leading/trailing keys no query of the call sees, then queries that see no key."""
-    if mask.is_dense:
-        pairs = (q_hi - q_lo) * (k_hi - k_lo)
-        return BlockCall(q_lo, q_hi, k_lo, k_hi, mask, q_start, k_start, pairs)
-    q_end = q_start + (q_hi - q_lo) - 1  # last query position of the call
-    k_first, k_last = k_start, k_start + (k_hi - k_lo) - 1
-    if mask.left >= 0:
-        k_first = max(k_first, q_start - mask.left)
-    if mask.right >= 0:
-        k_last = min(k_last, q_end + mask.right)
-    q_first, q_last = q_start, q_end
-    if mask.right >= 0:
-        q_first = max(q_first, k_first - mask.right)
-    if mask.left >= 0:
-        q_last = min(q_last, k_last + mask.left)
-    if k_first > k_last or q_first > q_last:
+    """The call cut to its live block (:meth:`BlockMask.live_block`): keys no query sees and queries that see
+    no key dropped; None when nothing is visible."""
+    live = mask.live_block(q_start, q_hi - q_lo, k_start, k_hi - k_lo)
+    if live is None:
         return None
-    q_lo, q_hi = q_lo + (q_first - q_start), q_lo + (q_last - q_start) + 1
-    k_lo, k_hi = k_lo + (k_first - k_start), k_lo + (k_last - k_start) + 1
-    pairs = visible_pairs(mask, q_first, q_hi - q_lo, k_first, k_hi - k_lo)
-    return BlockCall(q_lo, q_hi, k_lo, k_hi, mask, q_first, k_first, pairs)
+    q_first, k_first = q_start + live.q_lo, k_start + live.k_lo
+    pairs = visible_pairs(mask, q_first, live.q_hi - live.q_lo, k_first, live.k_hi - live.k_lo)
+    return BlockCall(q_lo + live.q_lo, q_lo + live.q_hi, k_lo + live.k_lo, k_lo + live.k_hi, mask, q_first, k_first,
+                     pairs)
 
 
 def restrict_rows(calls: tuple[BlockCall, ...], lo: int, hi: int) -> tuple[BlockCall, ...]:
