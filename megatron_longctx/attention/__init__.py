@@ -19,28 +19,18 @@ without torch (the config and the planner do).
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import attributes
 
-_LAZY = {
-    "ALGORITHMS": ".api",
-    "cp_attention": ".api",
-    "cp_attention_packed": ".api",
-    "schedule_flops": ".api",
-    "Packing": ".layout",
-    "SeqLayout": ".layout",
-    "packed_batch_on_this_cp_rank": ".packed_sharding",
-    "pad_packed": ".packed_sharding",
-    "shard_packed": ".packed_sharding",
-    "unpad_packed": ".packed_sharding",
-    "unshard_packed": ".packed_sharding",
-    "shard_sequence": ".sharding",
-    "unshard_sequence": ".sharding",
+_MODULES = {  # module -> the public names it holds
+    ".api": ("ALGORITHMS", "cp_attention", "cp_attention_packed", "schedule_flops"),
+    ".layout": ("Packing", "SeqLayout"),
+    ".packed_sharding": ("packed_batch_on_this_cp_rank", "pad_packed", "shard_packed", "unpad_packed",
+                         "unshard_packed"),
+    ".sharding": ("shard_sequence", "unshard_sequence"),
 }
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = attributes(__name__, _LAZY)

@@ -50,6 +50,20 @@ _MANAGED = ("--save", "--load", "--ckpt-step", "--save-interval", "--exit-interv
 _OWN_MINIMUM = (("nproc_per_node", 1), ("data_max_bytes", 1), ("resume_check_steps", 1), ("baseline_steps", 1))
 
 
+def job_parser(prog: str, doc: str, epilog: str, group: str, output_dir: str,
+               output_help: str) -> tuple[argparse.ArgumentParser, Any]:
+    """The parser of a command that starts ranks on the byte corpus (``run``, ``eval``), and its own group
+    holding what they share: ranks, output folder, corpus."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=epilog)
+    g = p.add_argument_group(group)
+    g.add_argument("--nproc-per-node", type=int, default=2, help="ranks to start")
+    g.add_argument("--output-dir", default=output_dir, help=output_help)
+    g.add_argument("--data-dir", default=None, help="indexed dataset cache (default: OUTPUT_DIR/../data)")
+    g.add_argument("--data-max-bytes", type=int, default=4 << 20, help="bytes of stdlib sources in the corpus")
+    return p, g
+
+
 def _reader() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag, kind, _ in _NUMERIC:

@@ -34,17 +34,11 @@ EXIT_BAD_ARGS = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-longctx eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                epilog="Any other flag is Megatron-LM's (--seq-length, --context-parallel-size, the "
-                                       "model's shape, --rotary-base ...) or a --longctx-* flag of the plugin.")
-    g = p.add_argument_group("evaluation")
+    p, g = command_line.job_parser("megatron-longctx eval", __doc__, "Any other flag is Megatron-LM's (--seq-length, "
+                                   "--context-parallel-size, the model's shape, --rotary-base ...) or a --longctx-* "
+                                   "flag of the plugin.", "evaluation", "runs/eval", "eval.json and the plots go here")
     g.add_argument("--load", required=True, help="the checkpoint directory (Megatron's layout: iter_* folders)")
     g.add_argument("--ckpt-step", type=int, default=None, help="the iteration to load (default: the tracker's)")
-    g.add_argument("--nproc-per-node", type=int, default=2, help="ranks to start")
-    g.add_argument("--output-dir", default="runs/eval", help="eval.json and the plots go here")
-    g.add_argument("--data-dir", default=None, help="indexed dataset cache (default: OUTPUT_DIR/../data)")
-    g.add_argument("--data-max-bytes", type=int, default=4 << 20, help="bytes of stdlib sources in the corpus")
     g.add_argument("--eval-batches", type=int, default=2, help="global batches of the corpus for the position loss")
     g.add_argument("--position-bins", type=int, default=16, help="equal position bins of the loss curve")
     g.add_argument("--passkey-lengths", default=None, help="comma-separated prompt lengths (default: --seq-length)")

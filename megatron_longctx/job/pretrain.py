@@ -43,15 +43,10 @@ EXIT_BAD_ARGS = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-longctx run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                epilog="Any other flag is Megatron-LM's (e.g. --num-layers, --lr, --save, "
-                                       "--distributed-timeout-minutes) or a --longctx-* flag of the plugin.")
-    g = p.add_argument_group("the main job")
-    g.add_argument("--nproc-per-node", type=int, default=2, help="ranks to start")
-    g.add_argument("--output-dir", default="runs/main", help="metrics.jsonl, summary.json and checkpoint/ go here")
-    g.add_argument("--data-dir", default=None, help="indexed dataset cache (default: OUTPUT_DIR/../data)")
-    g.add_argument("--data-max-bytes", type=int, default=4 << 20, help="bytes of stdlib sources in the corpus")
+    p, g = command_line.job_parser("megatron-longctx run", __doc__, "Any other flag is Megatron-LM's (e.g. "
+                                   "--num-layers, --lr, --save, --distributed-timeout-minutes) or a --longctx-* flag "
+                                   "of the plugin.", "the main job", "runs/main",
+                                   "metrics.jsonl, summary.json and checkpoint/ go here")
     g.add_argument("--overwrite-checkpoint", action="store_true",
                    help="replace a checkpoint already in --save (otherwise the run refuses to start)")
     g.add_argument("--resume-check-steps", type=int, default=3, help="steps the resume check must reproduce")

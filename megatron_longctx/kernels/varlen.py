@@ -199,16 +199,20 @@ class _Kinds:
                           kind)
 
 
+def _start(blocks: Sequence[Block], pieces_for: PiecesFn, q, v, head_multiple: int, partial) -> tuple[_Kinds, list]:
+    """The blocks' kinds, and one result per block: ``partial(block)`` (filled piece by piece) where the block
+    is served in pieces, None (set from its whole call) where it is served whole."""
+    kinds = _Kinds(blocks, pieces_for, q, v, head_multiple)
+    return kinds, [None if i in kinds.whole else partial(blk) for i, blk in enumerate(blocks)]
+
+
 def varlen_forward(call, q, k, v, blocks: Sequence[Block], pieces_for: PiecesFn, head_multiple: int):
     """(out, lse) of every block through ``call(q, k, v, seqs: VarlenSeqs)``, one call per kind: q
     ``[T, h_q, D]``, k/v ``[T_k, h_kv, D]`` → out ``[T, h_q, D]``, lse ``[h_q, T]``."""
     b, _, h_q, _ = q.shape
     d_v = v.shape[-1]
-    kinds = _Kinds(blocks, pieces_for, q, v, head_multiple)
-    results: list = [None] * len(blocks)
-    for i, blk in enumerate(blocks):
-        if i not in kinds.whole:
-            results[i] = empty_result(q, blk.q_hi - blk.q_lo, d_v)
+    kinds, results = _start(blocks, pieces_for, q, v, head_multiple,
+                            lambda blk: empty_result(q, blk.q_hi - blk.q_lo, d_v))
     for kind, seqs in kinds.groups.items():
         qp = _packed(q, [(s.q_lo, s.q_hi) for s in seqs], kinds.d)
         kp = _packed(k, [(s.k_lo, s.k_hi) for s in seqs], kinds.d)
@@ -236,11 +240,8 @@ def varlen_backward(call, dout, q, k, v, out, lse, blocks: Sequence[Block], piec
     :func:`varlen_forward`; lse ``[h_q, T]``), one call per kind."""
     b, _, h_q, d_qk = q.shape
     d_v = v.shape[-1]
-    kinds = _Kinds(blocks, pieces_for, q, v, head_multiple)
-    grads: list = [None] * len(blocks)
-    for i, blk in enumerate(blocks):
-        if i not in kinds.whole:
-            grads[i] = zero_grads(q, k, v, blk.q_hi - blk.q_lo, blk.k_hi - blk.k_lo)
+    kinds, grads = _start(blocks, pieces_for, q, v, head_multiple,
+                          lambda blk: zero_grads(q, k, v, blk.q_hi - blk.q_lo, blk.k_hi - blk.k_lo))
     lse = lse.to(lse_dtype(q))
     for kind, seqs in kinds.groups.items():
         q_rows, k_rows = [(s.q_lo, s.q_hi) for s in seqs], [(s.k_lo, s.k_hi) for s in seqs]

@@ -355,12 +355,20 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
+def _acts() -> bool:
+    """Whether :func:`enable` / :func:`disable` act in this process; GPUs in sight but unusable are an error
+    rather than a run on the CPU."""
+    if not needed():
+        return False
+    require_usable_cuda()
+    return True
+
+
 def enable() -> None:
     """Start redirecting (nested calls count); a no-op when CUDA is available.  Pair with :func:`disable`."""
     global _depth
-    if not needed():
+    if not _acts():
         return
-    require_usable_cuda()  # GPUs in sight but unusable: say so rather than train on the CPU
     with _lock:
         _depth += 1
         if _depth > 1:
@@ -373,9 +381,8 @@ def enable() -> None:
 def disable() -> None:
     """Undo :func:`enable` once every nested :func:`enable` has been undone."""
     global _depth
-    if not needed():
+    if not _acts():
         return
-    require_usable_cuda()  # GPUs in sight but unusable: say so rather than train on the CPU
     with _lock:
         if _depth == 0:
             return
