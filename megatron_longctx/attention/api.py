@@ -165,7 +165,6 @@ def schedule_flops(
     *,
     causal: bool = True,
     window_size: tuple[int, int] | None = None,
-    batch: int = 1,
     heads: int = 1,
     d_qk: int = 128,
     d_v: int | None = None,
@@ -174,8 +173,8 @@ def schedule_flops(
 ) -> list[int]:
     """Forward attention FLOPs each rank executes, read off the schedule the algorithm runs.
 
-    Counts ``2*(d_qk + d_v)`` FLOPs per visible (query, key) pair per head and batch row (the two
-    matmuls; backward is about 2.5x this).  ``zigzag=False`` prices naive contiguous sharding (ring
+    Counts ``2*(d_qk + d_v)`` FLOPs per visible (query, key) pair per head of one sequence (the two
+    matmuls; backward is about 2.5x this; a batch multiplies it).  ``zigzag=False`` prices naive contiguous sharding (ring
     and all-gather only).  ``heads`` are query heads.  Pure function: no process group needed.
     """
     d_v = d_qk if d_v is None else d_v
@@ -183,4 +182,4 @@ def schedule_flops(
     check_divisible(seq_len, cp_size, "seq_len")
     algorithms.get(algorithm)
     pairs, heads_divisor = schedule_pairs(algorithm, SeqLayout.dense(seq_len, cp_size, zigzag), mask, ulysses_size)
-    return [2 * (d_qk + d_v) * batch * (p * heads // heads_divisor) for p in pairs]
+    return [2 * (d_qk + d_v) * (p * heads // heads_divisor) for p in pairs]

@@ -44,6 +44,16 @@ def run(out: str, data: str, *extra: str, timeout: float = 600) -> subprocess.Co
     return subprocess.run(run_argv(out, data, *extra), env=env(), capture_output=True, text=True, timeout=timeout)
 
 
+def finished(factory, name: str, *extra: str) -> tuple[str, str, subprocess.CompletedProcess]:
+    """``(out, data, proc)`` of a run that must succeed, in a new folder of pytest's ``tmp_path_factory``."""
+    skip_without_megatron_training()
+    root = factory.mktemp(name)
+    out, data = str(root / "run"), str(root / "data")
+    proc = run(out, data, *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, data, proc
+
+
 def start(out: str, data: str, *extra: str, tmp: str | None = None) -> subprocess.Popen:
     """The run in the background, its output in ``OUT.log`` (a pipe nobody reads would fill and block it)."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -14,11 +14,8 @@ from tests.job import main_job
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A finished tiny run: checkpoints at iterations 3 and 6."""
-    main_job.skip_without_megatron_training()
-    root = tmp_path_factory.mktemp("ckpt")
-    out, data = str(root / "run"), str(root / "data")
-    proc = main_job.run(out, data, "--train-iters", "6", "--save-interval", "3", "--no-baseline", "--no-resume-check")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out, data, _ = main_job.finished(tmp_path_factory, "ckpt", "--train-iters", "6", "--save-interval", "3",
+                                     "--no-baseline", "--no-resume-check")
     return {"out": out, "data": data, "ckpt": os.path.join(out, "checkpoint")}
 
 

@@ -19,11 +19,8 @@ from tests.job import main_job
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """7 steps at CP=2 with a checkpoint every 3 (3, 6) and a final one (7); baseline over 4 steps."""
-    main_job.skip_without_megatron_training()
-    root = tmp_path_factory.mktemp("main-job")
-    out, data = str(root / "run"), str(root / "data")
-    proc = main_job.run(out, data, "--train-iters", "7", "--save-interval", "3", "--baseline-steps", "4")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out, data, proc = main_job.finished(tmp_path_factory, "main-job", "--train-iters", "7", "--save-interval", "3",
+                                        "--baseline-steps", "4")
     return {"out": out, "data": data, "stdout": proc.stdout,
             "summary": json.load(open(os.path.join(out, "summary.json")))}
 
