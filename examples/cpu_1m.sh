@@ -7,7 +7,7 @@
 #   * the MLP in 128 tiles of 4,096 tokens and the loss in 32 tiles of 16,384 tokens.
 # No baseline run (Megatron's own attention at CP=1 is quadratic here) and no resume check. Measured on a
 # 2-core machine shared with other jobs: the step 415 s, the whole run 513 s, peak resident memory 5.8 GiB per
-# rank (the windowed 1M step of `megatron-longctx bench --scaling`, docs/benchmark.md, is the same path).
+# rank (the windowed 1M step of `megatron-longctx bench scaling`, docs/benchmark.md, is the same path).
 # metrics.jsonl and summary.json (loss, time, peak memory per rank) go to OUTPUT_DIR.
 # Extra arguments go to `megatron-longctx run` and win over these, e.g.
 #   examples/cpu_1m.sh --window-size 4096,0 --train-iters 2

@@ -2,7 +2,7 @@
 
     megatron-longctx run   [args]   the main job: long-context GPT training on Megatron-Core with CP
     megatron-longctx bench [args]   regression benchmark of the plugin against baseline Megatron
-    megatron-longctx bench --scaling [args]   scaling benchmark: step time and memory from 16K to 1M tokens
+    megatron-longctx bench NAME [args]   another benchmark (scaling, peers, kernels, ...; `bench list`)
     megatron-longctx eval  [args]   a checkpoint evaluated at length: loss per position, passkey retrieval
     megatron-longctx extend [args]  staged context extension from a checkpoint, resumable
     megatron-longctx plan  [args]   memory/time planner: which configuration fits, and the flags for it
@@ -17,8 +17,8 @@ import sys
 
 COMMANDS = {
     "run": ("megatron_longctx.job.pretrain", "the main job: long-context GPT training with context parallelism"),
-    "bench": ("megatron_longctx.bench.regression",
-              "regression benchmark against baseline Megatron (--scaling: step time and memory vs length)"),
+    "bench": ("megatron_longctx.bench.commands",
+              "regression benchmark against baseline Megatron; `bench NAME`: the others (`bench list`)"),
     "eval": ("megatron_longctx.job.evaluate",
              "a checkpoint at length, forward only under CP: loss per position and passkey retrieval"),
     "extend": ("megatron_longctx.job.extend",
@@ -42,10 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"megatron-longctx: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name = COMMANDS[name][0]
-    if name == "bench" and "--scaling" in rest:  # its own benchmark, with its own flags
-        module_name, rest = "megatron_longctx.bench.scaling", [a for a in rest if a != "--scaling"]
-    module = importlib.import_module(module_name)
+    module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 
 

@@ -1,6 +1,6 @@
 """The peers side by side: DeepSpeed Ulysses, ALST's tiled MLP and tiled loss, torch's context_parallel.
 
-    python -m megatron_longctx.bench.peers --out-dir runs/peers          (or: megatron-longctx bench --peers)
+    python -m megatron_longctx.bench.peers --out-dir runs/peers          (or: megatron-longctx bench peers)
 
 Every measurement is a fresh process (a fresh pair of gloo ranks for attention) running one
 implementation: a float64 check at a small shape (also the warm-up), then one forward + backward at the

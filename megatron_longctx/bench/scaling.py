@@ -1,4 +1,4 @@
-"""``megatron-longctx bench --scaling`` (= ``python -m megatron_longctx.bench.scaling``): how one training step
+"""``megatron-longctx bench scaling`` (= ``python -m megatron_longctx.bench.scaling``): how one training step
 grows with the sequence, through Megatron-LM's unmodified ``pretrain_gpt.py``.
 
 One Llama-proportioned model (2 layers, hidden 128, 4 query heads / 2 query groups, SwiGLU ffn 352, RMSNorm,
@@ -170,7 +170,7 @@ def _window(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-longctx bench --scaling", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="megatron-longctx bench scaling", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--lengths", type=_token_list("--lengths"), default="16K,64K,256K,1M",
                    help="sequence lengths of the windowed series (and of the Megatron baseline with the window)")
@@ -462,7 +462,7 @@ def run(args: argparse.Namespace, runner: Optional[Runner] = None,
                 single_step_from=args.single_step_from, calibration_length=args.calibration_length,
                 device=f"CPU ({os.cpu_count()} cores, {platform.machine()}), gloo",
                 omp_num_threads=os.environ.get("OMP_NUM_THREADS") or "cores / ranks",
-                command=["megatron-longctx", "bench", "--scaling", *getattr(args, "argv", [])],
+                command=["megatron-longctx", "bench", "scaling", *getattr(args, "argv", [])],
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 dry_run=bool(args.dry_run))
     names = [s.name for s in args.series_list]
@@ -491,7 +491,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:  # the JSON and the table are rewritten after every row: an interrupted run keeps what it measured
         result = run(args, on_update=lambda partial: report.write_all(partial, args.output_dir, plots=False))
     except FileNotFoundError as exc:  # Megatron-LM's scripts are not here
-        print(f"megatron-longctx bench --scaling: {exc} (or pass --megatron-lm-dir)", file=sys.stderr)
+        print(f"megatron-longctx bench scaling: {exc} (or pass --megatron-lm-dir)", file=sys.stderr)
         return 2
     paths = report.write_all(result, args.output_dir, plots=not args.no_plots)
     print(report.markdown(result))

@@ -185,7 +185,7 @@ def test_report_files_and_fits(tmp_path):
 
 
 def test_dry_run_through_the_cli_and_bad_flags(tmp_path, capsys):
-    assert cli.main(["bench", "--scaling", "--dry-run", "--no-plots", "--output-dir", str(tmp_path)]) == 0
+    assert cli.main(["bench", "scaling", "--dry-run", "--no-plots", "--output-dir", str(tmp_path)]) == 0
     rows = json.load(open(tmp_path / "scaling.json"))["rows"]
     windowed = [r for r in rows if r["series"] == "windowed"]
     assert [r["seq_length"] for r in windowed] == [16384, 65536, 262144, 1 << 20]
