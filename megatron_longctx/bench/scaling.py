@@ -48,59 +48,29 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_longctx.bench import scaling_report as report
 from megatron_longctx.megatron import lm_scripts
+from megatron_longctx.plan.flags import model_flags
+from megatron_longctx.plan.model import ModelShape
 
 MIB, GIB = 2**20, 2**30
 MLP_TILE_TOKENS = 4096  # tokens per rank in one tiled-MLP tile: [4096, 2 x 352] float32 = 11 MiB
 LOSS_TILE_TOKENS = 2048  # ... in one tiled-loss tile: [2048, 8192] float32 logits = 64 MiB
 RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
-MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The benchmarked model, as Megatron-LM flags."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Megatron's padding at TP = 1 (``megatron.training.vocab_utils``)."""
-        return -(-self.vocab_size // MAKE_VOCAB_SIZE_DIVISIBLE_BY) * MAKE_VOCAB_SIZE_DIVISIBLE_BY
-
-    def args(self) -> list[str]:
-        return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(self.vocab_size),
-                "--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
-                "--num-attention-heads", str(self.num_attention_heads), "--group-query-attention",
-                "--num-query-groups", str(self.num_query_groups), "--ffn-hidden-size", str(self.ffn_hidden_size),
-                "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-                "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
-
-    def text(self) -> str:
-        return (f"{self.name}: {self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads / "
-                f"{self.num_query_groups} query groups (head dim {self.hidden_size // self.num_attention_heads}), "
-                f"SwiGLU ffn {self.ffn_hidden_size}, RMSNorm, RoPE, untied embeddings, no bias, vocabulary "
-                f"{self.vocab_size}; float32, mock data, 1 sequence per step")
-
-    def plan_shape(self) -> Any:
-        from megatron_longctx.plan.model import ModelShape
-
-        return ModelShape(name=self.name, num_layers=self.num_layers, hidden_size=self.hidden_size,
-                          num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
-                          kv_channels=self.hidden_size // self.num_attention_heads,
-                          ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.padded_vocab_size,
-                          activation="swiglu", normalization="RMSNorm", rope=True, untie_embeddings=True)
-
-
+# The benchmarked models, in the planner's shape type (vocabularies already multiples of Megatron's 128).
 MODELS = {
-    "llama": ModelSpec("Llama-proportioned", 2, 128, 4, 2, 352, 8192),
-    "tiny": ModelSpec("tiny", 1, 32, 2, 1, 64, 256),  # tests: seconds per run
+    "llama": ModelShape(name="Llama-proportioned", num_layers=2, hidden_size=128, num_attention_heads=4,
+                        num_query_groups=2, kv_channels=32, ffn_hidden_size=352, vocab_size=8192),
+    "tiny": ModelShape(name="tiny", num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
+                       kv_channels=16, ffn_hidden_size=64, vocab_size=256),  # tests: seconds per run
 }
+
+
+def model_text(m: ModelShape) -> str:
+    return (f"{m.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads / "
+            f"{m.num_query_groups} query groups (head dim {m.kv_channels}), SwiGLU ffn {m.ffn_hidden_size}, "
+            f"RMSNorm, RoPE, untied embeddings, no bias, vocabulary {m.vocab_size}; float32, mock data, "
+            "1 sequence per step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,11 +200,12 @@ def tiles(seq: int, cp: int = 2) -> tuple[int, int]:
     return max(2, -(-per_rank // MLP_TILE_TOKENS)), max(2, -(-per_rank // LOSS_TILE_TOKENS))
 
 
-def script_args(model: ModelSpec, series: Series, seq: int, window: tuple[int, int], steps: int) -> list[str]:
-    """``pretrain_gpt.py``'s arguments for one run."""
-    args = [*model.args(), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+def script_args(model: ModelShape, series: Series, seq: int, window: tuple[int, int], steps: int) -> list[str]:
+    """``pretrain_gpt.py``'s arguments for one run (the model's flags as the planner prints them)."""
+    args = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(model.vocab_size),
+            *model_flags(model), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
             "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", str(steps),
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
+            "--eval-iters", "0", "--log-interval", "1",
             "--seed", "1234", "--no-create-attention-mask-in-dataloader", *RECOMPUTE]
     if series.windowed:
         args += ["--window-size", f"{window[0]},{window[1]}"]
@@ -246,7 +217,7 @@ def script_args(model: ModelSpec, series: Series, seq: int, window: tuple[int, i
     return args
 
 
-def planner_bytes(model: ModelSpec, series: Series, seq: int) -> float:
+def planner_bytes(model: ModelShape, series: Series, seq: int) -> float:
     """The planner's peak bytes per rank for the run's configuration (float32, no GPU reserve)."""
     from megatron_longctx.plan.memory import memory_breakdown
     from megatron_longctx.plan.model import MemoryOptions, Parallel
@@ -256,7 +227,7 @@ def planner_bytes(model: ModelSpec, series: Series, seq: int) -> float:
                         offload="checkpoint" if series.plugin else "none", tiled_mlp_tiles=mlp, tiled_loss_tiles=loss,
                         bytes_per_element=4, fused_swiglu=False, fused_rope=False, sequence_parallel=False)
     par = Parallel(cp=series.nproc, cp_comm_type="p2p")
-    return memory_breakdown(model.plan_shape(), seq, par, opt, reserved_gib=0.0).peak
+    return memory_breakdown(model, seq, par, opt, reserved_gib=0.0).peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +324,7 @@ def predict_step_s(points: Sequence[tuple[int, float]], seq: int, degree: int) -
 @dataclasses.dataclass(frozen=True)
 class SweepSettings:
     """What every series of one sweep shares: the model, the window and the budgets."""
-    model: ModelSpec
+    model: ModelShape
     window: tuple[int, int]
     budget_s: float
     memory_budget_gib: float
@@ -417,7 +388,7 @@ def run_series(series: Series, lengths: Sequence[int], sweep: SweepSettings, *, 
     return rows
 
 
-def calibrate(series: Series, seq: int, *, model: ModelSpec, runner: Runner, memory_budget_gib: float,
+def calibrate(series: Series, seq: int, *, model: ModelShape, runner: Runner, memory_budget_gib: float,
               startup_s: float, budget_s: float, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The fixed footprint of ``series``' kind of job: its peak at ``seq`` tokens (full causal, two steps)
     less the planner's bytes there."""
@@ -457,7 +428,7 @@ def run(args: argparse.Namespace, runner: Optional[Runner] = None,
             if series.kind not in calibration:
                 calibration[series.kind] = calibrate(series, args.calibration_length, model=model, runner=runner,
                                                      **limits)
-    meta = dict(model=dataclasses.asdict(model), model_text=model.text(), window=list(args.window),
+    meta = dict(model=dataclasses.asdict(model), model_text=model_text(model), window=list(args.window),
                 budget_s=args.budget_s, memory_budget_gib=args.memory_budget_gib,
                 single_step_from=args.single_step_from, calibration_length=args.calibration_length,
                 device=f"CPU ({os.cpu_count()} cores, {platform.machine()}), gloo",
