@@ -1,8 +1,8 @@
 """Model-state offload (``--longctx-model-state-offload``) on the benchmark's Trainer.
 
-The Trainer runs its own loop on Megatron's DDP and ``get_megatron_optimizer``, so the plugin's installer
-goes on where Megatron's training loop would put it (:meth:`ModelStatesFeature.defer` patches
-``get_megatron_optimizer`` for that): over the DDP-wrapped model, then its optimizer hooks over the optimizer.
+The Trainer runs its own loop on Megatron's DDP and ``get_megatron_optimizer``, so the plugin object puts the
+installer where Megatron's training loop would (over the DDP-wrapped model), then its optimizer hooks over
+the optimizer.
 """
 
 from __future__ import annotations
@@ -13,44 +13,40 @@ import torch
 
 
 class ModelStates:
-    """Model-state offload on the benchmark's model: :class:`~megatron_longctx.megatron.features.model_states.ModelStatesFeature`
-    installed over Megatron's DDP as the training loop's ``get_megatron_optimizer`` would
-    (:meth:`ModelStatesFeature.defer`), then its optimizer hooks on the optimizer built over it (``disk``:
-    Adam's moments on disk, the step and the gradient clipping unit by unit)."""
+    """Model-state offload on the benchmark's model, through the plugin object as every user path goes:
+    :meth:`LongContextPlugin.install_after_wrap` over Megatron's DDP (where Megatron's training loop would
+    put it), then :meth:`LongContextPlugin.wire_optimizer` over the optimizer built over it (``disk``: Adam's
+    moments on disk, the step and the gradient clipping unit by unit)."""
 
-    def __init__(self, installed: Any, cfg: Any) -> None:
-        self.installed, self.cfg = installed, cfg
-        self.target = cfg.model_states.model_state_offload
+    def __init__(self, plugin: Any, installation: Any) -> None:
+        self.plugin, self.installation = plugin, installation
+        self.target = plugin.cfg.model_states.model_state_offload
 
     @classmethod
     def install(cls, ddp: Any, cfg: Any) -> "ModelStates":
-        from megatron_longctx.megatron.features.base import Built
-        from megatron_longctx.megatron.features.model_states import ModelStatesFeature
+        from megatron_longctx.megatron.plugin import LongContextPlugin
 
         if cfg.model_states.model_state_offload == "host" and not torch.cuda.is_available():
             raise ValueError("--longctx-model-state-offload host keeps the model states in host memory, which on "
                              "a CPU-only process is the memory it trains in (nothing is saved): use "
                              "--longctx-model-state-offload disk on the CPU")
-        return cls(ModelStatesFeature().install(Built.of([ddp]), cfg), cfg)
+        plugin = LongContextPlugin(cfg)
+        return cls(plugin, plugin.install_after_wrap(ddp))
 
     @property
     def streamer(self) -> Any:
-        return self.installed.streamer
+        return next(done.streamer for _, done in self.installation.installed if hasattr(done, "streamer"))
 
     def wire_optimizer(self, optimizer: Any) -> None:
-        from megatron_longctx.megatron.features.model_states import _optimizer_hooks
-
-        _optimizer_hooks(self.installed, self.streamer, self.cfg)(optimizer)
+        self.plugin.wire_optimizer(self.installation, optimizer)
 
     def close(self) -> None:
-        from megatron_longctx.megatron.features.model_states import _close
-
-        _close(self.installed)
+        self.installation.remove()
 
     def describe(self, optimizer: Any) -> dict[str, Any]:
         """Where the states went and what streamed them: the point's record carries it."""
         from megatron_longctx.megatron.offdevice_optimizer import megatron_optimizers
 
-        return {"target": self.target, "description": self.installed.description,
+        return {"target": self.target, "description": self.installation.describe(),
                 "inner_optimizers": sorted({type(w.optimizer).__name__ for w in megatron_optimizers(optimizer)}),
-                **self.installed.stats()}
+                **self.installation.stats()}

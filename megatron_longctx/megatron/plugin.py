@@ -111,6 +111,18 @@ class LongContextPlugin:
         installation.offloader = built.shared.get("offloader")
         return installation
 
+    def install_after_wrap(self, model: Any) -> Installation:
+        """For a caller that wraps the model in DDP and builds its optimizer itself (the benchmark engine): the
+        features that wait for the optimizer (:attr:`Feature.waits_for_optimizer`), on the DDP-wrapped
+        ``model``; then :meth:`wire_optimizer` with the optimizer built over it."""
+        return self.install(model, tuple(f for f in self.features if f.waits_for_optimizer))
+
+    def wire_optimizer(self, installation: Installation, optimizer: Any) -> Any:
+        """``optimizer`` (built over the model ``installation`` went on) with its features' hooks."""
+        for feature, done in installation.installed:
+            optimizer = feature.wire_optimizer(done, optimizer, self.cfg)
+        return optimizer
+
     def install_and_report(self, model: Any, who: str = "megatron-longctx") -> Optional[Installation]:
         """Under Megatron's training loop, on the model its provider returns: :meth:`install` the features
         that go on now (``None`` where there are none); each chunk of ``model`` then holds the installation

@@ -17,7 +17,7 @@ FEATURE_INSTALL = {"tile_mlp_forward", "install_tiled_loss", "install_lean_norms
 # sections).
 FEATURES_PACKAGE = "megatron_longctx.megatron.features"
 INSTALLERS = {"FEATURES", "TiledMLPFeature", "TiledLossFeature", "LeanNormFeature", "RecomputeFeature",
-              "OffloadFeature"}
+              "OffloadFeature", "ModelStatesFeature", "_optimizer_hooks", "_close"}
 
 
 def _allowed(path: pathlib.Path, root: pathlib.Path) -> bool:

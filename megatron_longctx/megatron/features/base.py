@@ -74,6 +74,11 @@ class Feature:
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
         raise NotImplementedError
 
+    def wire_optimizer(self, installed: Installed, optimizer: Any, cfg: LongContextConfig) -> Any:
+        """For ``waits_for_optimizer`` features: the optimizer built over the model they went on, with their hooks
+        (returned; the default leaves it as it is)."""
+        return optimizer
+
     def defer(self, model: Any, cfg: LongContextConfig, who: str, line: Optional[str]) -> None:
         """For ``waits_for_optimizer`` features: install on ``model`` once the optimizer is built over it;
         rank 0 then prints the "memory features:" line (``line``: what the other features installed)."""

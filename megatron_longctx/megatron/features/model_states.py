@@ -147,6 +147,9 @@ class ModelStatesFeature(Feature):
         installed.streamer = streamer  # type: ignore[attr-defined]
         return installed
 
+    def wire_optimizer(self, installed: Installed, optimizer: Any, cfg: LongContextConfig) -> Any:
+        return _optimizer_hooks(installed, installed.streamer, cfg)(optimizer)
+
     def defer(self, model: Any, cfg: LongContextConfig, who: str, line: Optional[str]) -> None:
         """Install when the training loop builds the optimizer over the DDP-wrapped ``model`` (the next
         ``get_megatron_optimizer`` call of Megatron-LM's loop, or of Megatron-Bridge's when it is running);
@@ -164,15 +167,13 @@ class ModelStatesFeature(Feature):
                 raise RuntimeError(f"{FLAG}: the optimizer is built over another model than the one installed")
             built = Built.of(model_chunks)
             installed = self.install(built, cfg)
-            streamer_install_optimizer = _optimizer_hooks(installed, installed.streamer, cfg)
             for chunk in built.chunks:
                 chunk._longctx_model_states = installed
             atexit.register(_close, installed)
             if os.environ.get("RANK", "0") == "0":
                 parts = [p for p in (line, f"{self.name}: {installed.description}") if p]
                 print(f"{who}: memory features: {'; '.join(parts)}", flush=True)
-            optimizer = original(config, model_chunks, *args, **kwargs)
-            return streamer_install_optimizer(optimizer)
+            return self.wire_optimizer(installed, original(config, model_chunks, *args, **kwargs), cfg)
 
         for module in builders:
             patches.append(patch(module, "get_megatron_optimizer",
