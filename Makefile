@@ -22,19 +22,23 @@ help:
 	@echo "make test-bridge  tests/bridge against Megatron-Bridge 0.6.2 (its own .venv-bridge, scripts/install_bridge.sh)"
 	@echo "make bench        the regression benchmark against baseline Megatron"
 
+# $(call new_venv,PYTHON,EXTRAS) in a rule for DIR/.installed: DIR made with PYTHON, the project in it
+# (editable, pinned by constraints.txt) with EXTRAS, then the marker.
+define new_venv
+	$(1) -m venv $(@D)
+	$(@D)/bin/pip install --quiet --upgrade pip
+	$(@D)/bin/pip install --quiet -c constraints.txt -e '.[$(2)]'
+	touch $@
+endef
+comma := ,
+
 $(VENV)/.installed: setup.py constraints.txt
 	@test -n "$(PYTHON)" || { echo "python3.12 not found: install it (e.g. pyenv install 3.12) or pass PYTHON=/path/to/python3.12"; exit 1; }
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[test,bench]'
-	touch $@
+	$(call new_venv,$(PYTHON),test$(comma)bench)
 
 $(VENV_COMPAT)/.installed: setup.py constraints.txt
 	@test -n "$(PYTHON_COMPAT)" || { echo "python3.11 not found: pass PYTHON_COMPAT=/path/to/python3.11"; exit 1; }
-	$(PYTHON_COMPAT) -m venv $(VENV_COMPAT)
-	$(VENV_COMPAT)/bin/pip install --quiet --upgrade pip
-	$(VENV_COMPAT)/bin/pip install --quiet -c constraints.txt -e '.[test]'
-	touch $@
+	$(call new_venv,$(PYTHON_COMPAT),test)
 
 setup: $(VENV)/.installed
 setup-compat: $(VENV_COMPAT)/.installed

@@ -58,6 +58,20 @@ def padded_head_dim(d_qk: int, d_v: int, multiple: int) -> int:
     return -(-max(d_qk, d_v) // multiple) * multiple
 
 
+def flash_limits(name: str, unavailable: str | None, q: torch.Tensor, v: torch.Tensor, head_multiple: int,
+                 max_head_dim: int) -> str | None:
+    """What a half-precision flash backend refuses first (``None``: nothing): its device (``unavailable``: its
+    ``available()``), a dtype other than float16/bfloat16, head dims that pad past ``max_head_dim``."""
+    if unavailable is not None:
+        return unavailable
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{name} supports float16 and bfloat16, not {q.dtype}"
+    d = padded_head_dim(q.shape[-1], v.shape[-1], head_multiple)
+    if d > max_head_dim:
+        return f"{name} supports head dims up to {max_head_dim}; this block needs {d}"
+    return None
+
+
 def pad_head_dim(x: torch.Tensor, d: int) -> torch.Tensor:
     """``x`` ``[..., d_x]`` -> ``[..., d]`` with zero columns (exact: see the module doc); no copy when d wide."""
     return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))

@@ -36,7 +36,6 @@ from .base import BlockArgs, LiveBlock
 
 name = "flash_attn"
 
-_DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 _FA2_MIN = Version("2.5")
 _FA2_FORWARD = {"dropout_p", "softmax_scale", "causal", "window_size", "return_attn_probs"}
@@ -272,15 +271,7 @@ def available(device: torch.device) -> str | None:
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) -> str | None:
-    reason = available(q.device)
-    if reason is not None:
-        return reason
-    if q.dtype not in _DTYPES:
-        return f"flash_attn supports float16 and bfloat16, not {q.dtype}"
-    d = driver.padded_head_dim(q.shape[-1], v.shape[-1], 8)
-    if d > _MAX_HEAD_DIM:
-        return f"flash_attn supports head dims up to {_MAX_HEAD_DIM}; this block needs {d}"
-    return None
+    return driver.flash_limits("flash_attn", available(q.device), q, v, 8, _MAX_HEAD_DIM)
 
 
 def _ensure(q, k, v, args) -> driver.PieceKernel:

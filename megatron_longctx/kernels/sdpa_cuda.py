@@ -29,7 +29,6 @@ from .base import BlockArgs, KernelUnsupported, LiveBlock
 
 name = "sdpa_cuda"
 
-_DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 
 
@@ -123,16 +122,12 @@ def available(device: torch.device) -> str | None:
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: BlockArgs) -> str | None:
-    reason = available(q.device)
+    reason = driver.flash_limits("sdpa_cuda (flash)", available(q.device), q, v, FlashOpPieces.head_multiple,
+                                 _MAX_HEAD_DIM)
     if reason is not None:
         return reason
-    if q.dtype not in _DTYPES:
-        return f"sdpa_cuda (flash) supports float16 and bfloat16, not {q.dtype}"
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return "sdpa_cuda (flash) needs an sm80 or newer GPU"
-    d = driver.padded_head_dim(q.shape[-1], v.shape[-1], FlashOpPieces.head_multiple)
-    if d > _MAX_HEAD_DIM:
-        return f"sdpa_cuda (flash) supports head dims up to {_MAX_HEAD_DIM}; this block needs {d}"
     if not window_args_supported():
         for piece in driver.flash2_pieces(args, q.shape[1], k.shape[1]):
             causal, left, right = piece.flash_window()

@@ -49,19 +49,18 @@ GPUS: dict[str, Hardware] = {
 }
 
 
+def _preset(table: dict, name: str, flag: str, otherwise: str):
+    key = name.lower()
+    if key not in table:
+        raise ValueError(f"{flag} {name!r}: unknown preset; choose one of {', '.join(table)} or {otherwise}")
+    return table[key]
+
+
 def model(name: str) -> ModelShape:
     """A preset model by name (``llama2-7b``, ``llama3-8b``, ``llama3-70b``, ``mixtral-8x7b``, ``deepseek-v2-lite``)."""
-    key = name.lower()
-    if key not in MODELS:
-        raise ValueError(f"--model {name!r}: unknown preset; choose one of {', '.join(MODELS)} "
-                         "or give the shape with --num-layers/--hidden-size/... and --model custom")
-    return MODELS[key]
+    return _preset(MODELS, name, "--model", "give the shape with --num-layers/--hidden-size/... and --model custom")
 
 
 def gpu(name: str) -> Hardware:
     """A preset GPU by name (``h100``, ``h200``, ``b200``, ``a100``)."""
-    key = name.lower()
-    if key not in GPUS:
-        raise ValueError(f"--gpu {name!r}: unknown preset; choose one of {', '.join(GPUS)} "
-                         "or give --gpu-memory-gib/--bf16-tflops/... yourself")
-    return GPUS[key]
+    return _preset(GPUS, name, "--gpu", "give --gpu-memory-gib/--bf16-tflops/... yourself")

@@ -133,19 +133,16 @@ def _interface(**funcs) -> types.SimpleNamespace:
     return types.SimpleNamespace(**funcs)
 
 
+_V263_FORWARD = dict(flash_attn_func=v263_flash_attn_func, flash_attn_varlen_func=v263_flash_attn_varlen_func)
 FA2_RELEASES = {
     "2.5.0": _interface(flash_attn_func=v250_flash_attn_func, flash_attn_varlen_func=v250_flash_attn_varlen_func,
                         _flash_attn_backward=v250_flash_attn_backward,
                         _flash_attn_varlen_backward=v250_flash_attn_varlen_backward),
-    "2.6.3": _interface(flash_attn_func=v263_flash_attn_func, flash_attn_varlen_func=v263_flash_attn_varlen_func,
-                        _flash_attn_backward=v263_flash_attn_backward,
+    "2.6.3": _interface(**_V263_FORWARD, _flash_attn_backward=v263_flash_attn_backward,
                         _flash_attn_varlen_backward=v263_flash_attn_varlen_backward),
-    "2.7.4": _interface(flash_attn_func=v263_flash_attn_func, flash_attn_varlen_func=v263_flash_attn_varlen_func,
-                        _flash_attn_backward=v27_flash_attn_backward,
-                        _flash_attn_varlen_backward=v27_flash_attn_varlen_backward),
-    "2.8.3": _interface(flash_attn_func=v263_flash_attn_func, flash_attn_varlen_func=v263_flash_attn_varlen_func,
-                        _flash_attn_backward=v27_flash_attn_backward,
-                        _flash_attn_varlen_backward=v27_flash_attn_varlen_backward),
+    # 2.7 changed the backward's signatures; 2.8 kept 2.7's
+    **{release: _interface(**_V263_FORWARD, _flash_attn_backward=v27_flash_attn_backward,
+                           _flash_attn_varlen_backward=v27_flash_attn_varlen_backward) for release in ("2.7.4", "2.8.3")},
 }
 
 

@@ -2,7 +2,6 @@
 checkpoints that resume bit for bit, the staging bytes it holds counted against the pool's bound, a
 full disk during a step (a real tmpfs) leaving the previous state intact, and a pool too small refused."""
 
-import contextlib
 import copy
 import errno
 import os
@@ -16,6 +15,7 @@ import torch
 from megatron_longctx.memory.host_pool import HostPool
 from megatron_longctx.memory.offdevice_optimizer import STATE_FILE, OffDeviceAdamW, OffDeviceSpec
 from megatron_longctx.memory.offload_disk import DiskOffloadError
+from tests import tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHUNK = 4096
@@ -128,23 +128,11 @@ def test_pool_too_small_for_one_chunk_is_refused_with_the_bytes(tmp_path):
     assert os.listdir(tmp_path) == []  # refused before any file
 
 
-@contextlib.contextmanager
-def _tmpfs(path, size):
-    os.makedirs(path, exist_ok=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root)")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_full_disk_during_a_step_leaves_the_previous_state(tmp_path):
     params = _params()
     file_bytes = 2 * 4 * sum(p.numel() for p in params)
     # room for one moments file (plus the lock) but not for the next step's temporary copy beside it
-    with _tmpfs(tmp_path / "small", file_bytes + 64 * 1024) as small:
+    with tmpfs.mounted(tmp_path / "small", f"size={file_bytes + 64 * 1024}") as small:
         opt = _ours(params, "disk", small)
         _run(opt, params, 1)
         after_one = [p.detach().clone() for p in params]

@@ -5,7 +5,6 @@ Faults are real: a tiny tmpfs filled up (root), RLIMIT_FSIZE in a child, a read-
 killed with SIGKILL / SIGTERM / SIGINT.
 """
 
-import contextlib
 import errno
 import os
 import signal
@@ -21,7 +20,9 @@ from megatron_longctx.memory import MemoryConfig, hooks
 from megatron_longctx.memory import offload_disk
 from megatron_longctx.memory.offload import ActivationOffloader
 from megatron_longctx.memory.offload_disk import DiskOffloadError
+from tests import tmpfs
 
+FALLBACK = "the RLIMIT_FSIZE test injects the write failure instead"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -40,19 +41,8 @@ def _offload(off, kib=256, layers=2):
     return x
 
 
-@contextlib.contextmanager
-def _mount(path, options):
-    os.makedirs(path, exist_ok=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root): the RLIMIT_FSIZE test injects the write failure instead")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_full_disk_names_flag_path_and_enospc(tmp_path):
-    with _mount(tmp_path / "small", "size=192k") as small:
+    with tmpfs.mounted(tmp_path / "small", "size=192k", FALLBACK) as small:
         off = ActivationOffloader(_cfg(small))
         with pytest.raises(DiskOffloadError) as info:
             _offload(off, kib=128, layers=3)
@@ -86,7 +76,7 @@ def test_file_size_limit_names_the_flag_in_a_child(tmp_path):
 
 
 def test_unwritable_directory_fails_at_construction(tmp_path):
-    with _mount(tmp_path / "ro", "ro,size=64k") as ro:
+    with tmpfs.mounted(tmp_path / "ro", "ro,size=64k", FALLBACK) as ro:
         with pytest.raises(DiskOffloadError) as info:
             ActivationOffloader(_cfg(ro))
         assert info.value.errno == errno.EROFS
