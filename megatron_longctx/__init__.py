@@ -6,7 +6,7 @@ The public API lives here; names that need Megatron-Core are imported on first u
 
 from __future__ import annotations
 
-from megatron_longctx.lazy import attributes
+import importlib
 
 __version__ = "0.1.0"
 
@@ -21,4 +21,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-__getattr__ = attributes(__name__, _LAZY)
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'megatron_longctx' has no attribute {name!r}")

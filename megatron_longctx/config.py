@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, Literal
 
-from megatron_longctx.attention import algorithms
+from megatron_longctx import cp_algorithms as algorithms
 
 # The registry's algorithms, and "auto": follow Megatron's own --cp-comm-type.
 CpAlgorithm = Literal[("auto", *algorithms.NAMES)]  # type: ignore[valid-type]

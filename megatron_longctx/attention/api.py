@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..kernels.base import BlockMask
 from ..kernels.select import get_kernel
-from . import algorithms
+from .. import cp_algorithms as algorithms
 from .agreement import check_ranks_agree
 from .allgather import AllGatherAttention
 from .args import (

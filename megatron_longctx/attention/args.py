@@ -14,7 +14,7 @@ import operator
 import torch
 
 from ..kernels.base import BlockMask
-from . import algorithms
+from .. import cp_algorithms as algorithms
 
 ALGORITHMS = algorithms.NAMES
 

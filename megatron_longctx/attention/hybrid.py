@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from . import algorithms
+from .. import cp_algorithms as algorithms
 
 _GROUPS: dict[tuple[dist.ProcessGroup, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 
 from ..kernels.base import BlockMask
-from . import algorithms
+from .. import cp_algorithms as algorithms
 from .layout import SeqLayout
 from .segments import BlockCall, schedule_blocks
 

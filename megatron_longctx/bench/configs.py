@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from megatron_longctx.attention import algorithms
+from megatron_longctx import cp_algorithms as algorithms
 from megatron_longctx.config import LongContextConfig
 from megatron_longctx.bench.engine import Variant
 

@@ -1,7 +1,9 @@
-"""What every benchmark shares: the environment record written beside its figures and the JSON writer."""
+"""What every benchmark shares: the environment record written beside its figures, the timing median and
+the JSON writer (torch is imported on use, so the benchmarks that only start processes stay without it)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -9,20 +11,41 @@ import statistics
 import time
 from typing import Any, Callable, Optional
 
-import torch
+
+def _version(package: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # noqa: BLE001 - the record is informational
+        return "unknown"
+
+
+def loadavg() -> str:
+    """The 1/5/15-minute load average, recorded next to every number (the machine may be shared)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def environment(**settings: Any) -> dict[str, Any]:
-    """The ``meta`` record of a run: versions, threads and machine, then the benchmark's own ``settings``."""
-    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), **settings}
+    """The ``meta`` record of a run: versions, threads, machine, load and time, then the benchmark's own
+    ``settings``."""
+    import torch
+
+    return {"torch": torch.__version__, "megatron_core": _version("megatron-core"),
+            "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "loadavg": loadavg(),
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **settings}
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, *, warm_up: bool = True,
-                   device: Optional[torch.device] = None) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int, *, warm_up: bool = True, device: Any = None) -> float:
     """Median wall seconds of ``repeats`` calls of ``fn`` after one untimed call (``warm_up``); on a CUDA
     ``device`` each call is bracketed by synchronisations."""
-    sync = device is not None and device.type == "cuda"
+    sync = device is not None and getattr(device, "type", None) == "cuda"
+    if sync:
+        import torch
     if warm_up:
         fn()
     times = []
@@ -37,12 +60,13 @@ def median_seconds(fn: Callable[[], Any], repeats: int, *, warm_up: bool = True,
     return statistics.median(times)
 
 
-def write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write ``payload`` to ``path`` (its folder made if missing) and say so."""
+def write_json(path: str, payload: dict[str, Any], default: Optional[Callable[[Any], Any]] = None) -> None:
+    """Write ``payload`` to ``path`` (its folder made if missing) and say so; ``default``: json's, for what it
+    cannot write."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(payload, f, indent=1, default=default)
     print(f"wrote {path}")
 
 
-__all__ = ["environment", "median_seconds", "write_json"]
+__all__ = ["environment", "loadavg", "median_seconds", "write_json"]

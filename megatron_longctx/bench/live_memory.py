@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import weakref
 from typing import Any, Optional
@@ -24,6 +23,8 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from megatron_longctx.bench import harness
 
 
 class LiveTensors(TorchDispatchMode):
@@ -168,8 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for label, b in list(r["by_label"].items())[:args.top]:
             print(f"    {b:9.0f}  {label}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        harness.write_json(args.out, {"meta": harness.environment(), **result})
     return 0
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from megatron_longctx.bench import harness
 from megatron_longctx.memory.accounting import RSS_TRACKS_TENSORS_ENV
 
 # name -> (Megatron TransformerConfig overrides, MemoryConfig fields)
@@ -201,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             print(_table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(_table(rows))
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "args": {k: v for k, v in vars(args).items() if k != "one"}}, f, indent=1)
-    print(f"\nwrote {args.out}")
+    print()
+    harness.write_json(args.out, {"meta": harness.environment(), "rows": rows,
+                                  "args": {k: v for k, v in vars(args).items() if k != "one"}})
     return 0
 
 

@@ -19,13 +19,13 @@ See :mod:`megatron_longctx.bench.peer_cases` for the implementations.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from typing import Any, Callable, Optional
 
 from megatron_longctx import procs
+from megatron_longctx.bench import harness
 from megatron_longctx.bench import peer_cases as cases
 from megatron_longctx.memory.accounting import RSS_TRACKS_TENSORS_ENV
 
@@ -278,14 +278,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     result = run(args)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "peers.json"), "w") as f:
-        json.dump(result, f, indent=1, default=lambda o: None)
+    harness.write_json(os.path.join(args.out_dir, "peers.json"), result, default=lambda o: None)
     table = markdown(result)
     with open(os.path.join(args.out_dir, "peers.md"), "w") as f:
         f.write(table)
     print(table)
-    print(f"wrote {os.path.join(args.out_dir, 'peers.json')}, {os.path.join(args.out_dir, 'peers.md')}")
+    print(f"wrote {os.path.join(args.out_dir, 'peers.md')}")
     return 0
 
 

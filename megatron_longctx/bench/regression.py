@@ -17,7 +17,6 @@ CPU timings are noisy: times are medians and compared as ratios to the baseline 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -28,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from megatron_longctx import procs
 from megatron_longctx.bench import compare as compare_mod
-from megatron_longctx.bench import report
+from megatron_longctx.bench import harness, report
 from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, all_configs, baseline_configs, default_configs,
                                             select, streams_model_states, sweep_skip_reason, unavailable_reason)
 from megatron_longctx.bench.headline import headline_line, max_seq_headline, model_states_headline, model_states_line
@@ -182,26 +181,9 @@ def _gpu() -> bool:
 def _meta(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    try:
-        from importlib.metadata import version
-
-        mcore = version("megatron-core")
-    except Exception:  # noqa: BLE001 - metadata is informational
-        mcore = "unknown"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
-    return {"device": device, "world_size": args.nproc_per_node, "shape": shape, "preset": args.preset,
-            "time_reference": FLASH_RECOMPUTE, "loadavg": _loadavg(), "steps": args.steps,
-            "warmup": args.warmup, "torch": torch.__version__, "megatron_core": mcore,
-            "python": sys.version.split()[0],
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
-def _loadavg() -> str:
-    """The 1/5/15-minute load average, recorded next to every number (the machine may be shared)."""
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
+    return harness.environment(device=device, world_size=args.nproc_per_node, shape=shape, preset=args.preset,
+                               time_reference=FLASH_RECOMPUTE, steps=args.steps, warmup=args.warmup)
 
 
 def _log(text: str) -> None:
@@ -292,7 +274,7 @@ def time_check(args: argparse.Namespace, base_task: dict[str, Any], plugin: str,
     loads = []
     for r in range(args.time_check_rounds):
         for name in ((plugin, baseline) if r % 2 == 0 else (baseline, plugin)):
-            loads.append(_loadavg())
+            loads.append(harness.loadavg())
             rc, output, records = run_probe_job(dict(base_task, configs=[name], seq_lengths=[seq], warmup=1, steps=1),
                                                 args.nproc_per_node, args.timeout)
             ok = [rec for rec in records if rec.get("status") == "ok"]

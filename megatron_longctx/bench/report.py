@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Optional
+
+from megatron_longctx.bench import harness
 
 SCHEMA = "megatron-longctx-bench/1"
 LOSS_RTOL = 1e-3  # float32: different attention split and reduction order, a few Adam steps
@@ -71,8 +72,7 @@ def write_json(result: dict[str, Any], path: str) -> None:
             return [clean(v) for v in o]
         return o
 
-    with open(path, "w") as f:
-        json.dump(clean(result), f, indent=1)
+    harness.write_json(path, clean(result))
 
 
 def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:

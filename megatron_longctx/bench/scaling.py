@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
 import os
 import platform
@@ -46,6 +45,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_longctx.bench import harness
 from megatron_longctx.bench import scaling_report as report
 from megatron_longctx.megatron import lm_scripts
 from megatron_longctx.plan.flags import model_flags
@@ -428,14 +428,12 @@ def run(args: argparse.Namespace, runner: Optional[Runner] = None,
             if series.kind not in calibration:
                 calibration[series.kind] = calibrate(series, args.calibration_length, model=model, runner=runner,
                                                      **limits)
-    meta = dict(model=dataclasses.asdict(model), model_text=model_text(model), window=list(args.window),
-                budget_s=args.budget_s, memory_budget_gib=args.memory_budget_gib,
-                single_step_from=args.single_step_from, calibration_length=args.calibration_length,
-                device=f"CPU ({os.cpu_count()} cores, {platform.machine()}), gloo",
-                omp_num_threads=os.environ.get("OMP_NUM_THREADS") or "cores / ranks",
-                command=["megatron-longctx", "bench", "scaling", *getattr(args, "argv", [])],
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                dry_run=bool(args.dry_run))
+    meta = harness.environment(
+        model=dataclasses.asdict(model), model_text=model_text(model), window=list(args.window),
+        budget_s=args.budget_s, memory_budget_gib=args.memory_budget_gib, single_step_from=args.single_step_from,
+        calibration_length=args.calibration_length, device=f"CPU ({os.cpu_count()} cores, {platform.machine()}), gloo",
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS") or "cores / ranks",
+        command=["megatron-longctx", "bench", "scaling", *getattr(args, "argv", [])], dry_run=bool(args.dry_run))
     names = [s.name for s in args.series_list]
     result: dict[str, Any] = dict(schema=report.SCHEMA, meta=meta, calibration=calibration, rows=[], fits={})
 

@@ -233,7 +233,7 @@ def check_flags(megatron_argv: list[str]) -> None:
     check it as the launcher does, before any rank starts: ``ValueError`` naming the flag and the choices."""
     from megatron.training.arguments import add_megatron_arguments
 
-    from megatron_longctx.attention.algorithms import BY_CP_COMM_TYPE
+    from megatron_longctx.cp_algorithms import BY_CP_COMM_TYPE
     from megatron_longctx.megatron.arguments import add_longctx_args, check_after_parsing, config_from_args
 
     parser = argparse.ArgumentParser(allow_abbrev=False)

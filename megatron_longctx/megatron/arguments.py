@@ -20,7 +20,7 @@ import types
 import typing
 from typing import Any, Optional, Sequence
 
-from megatron_longctx.attention import algorithms
+from megatron_longctx import cp_algorithms as algorithms
 from megatron_longctx.config import (
     FEATURES,
     MEGATRON_FLAGS,

@@ -29,7 +29,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_longctx.attention import algorithms, cp_attention
+from megatron_longctx import cp_algorithms as algorithms
+from megatron_longctx.attention import cp_attention
 from megatron_longctx.attention.sinks import SOFTMAX_TYPES
 from megatron_longctx.config import ContextParallelConfig
 from megatron_longctx.memory.tiled_recompute import ReplayPort

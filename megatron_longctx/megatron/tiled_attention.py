@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_longctx.attention import algorithms
+from megatron_longctx import cp_algorithms as algorithms
 from megatron_longctx.attention.args import attention_args
 from megatron_longctx.attention.tiled import TiledKV
 from megatron_longctx.memory.tiled_recompute import Replay

@@ -79,7 +79,7 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bo
         def tiled(labels: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
             return tiled_logits_loss(hidden, seen["weight"], labels, getattr(output_layer, "tp_group", None),
                                      num_tiles, reduce_grad_input=seen["reduce"], recompute=recompute,
-                                     into_main_grad=seen["own_weight"], norm=norm_forward,
+                                     into_main_grad=seen["own_weight"], norm=final_norm, norm_forward=norm_forward,
                                      grad_target=grad_target)
 
         def pass_hidden(hidden: torch.Tensor, weight: Optional[torch.Tensor] = None, **_: Any) -> tuple:

@@ -261,7 +261,8 @@ class TiledLogitsLoss(torch.autograd.Function):
 
 def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels: torch.Tensor, tp_group: Any,
                       num_tiles: int, *, reduce_grad_input: bool = True, recompute: bool = False,
-                      into_main_grad: bool = False, norm: Optional[Callable] = None,
+                      into_main_grad: bool = False, norm: Optional[torch.nn.Module] = None,
+                      norm_forward: Optional[Callable] = None,
                       grad_target: Optional[residual_offload.Target] = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ output_weight.T`` against ``labels``, over ``num_tiles`` sequence tiles.
 
@@ -280,9 +281,9 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
         into_main_grad: with ``recompute``, accumulate the weight's gradient into its Megatron
             ``main_grad`` (set only for a weight no other module uses: a tied embedding's own gradient
             would be skipped by Megatron's hook).
-        norm: with ``recompute``, a token-wise norm (a module, or its forward) applied to ``hidden`` first,
-            one tile at a time in forward and again in backward: its ``[s, b, h]`` output is never kept
-            (``hidden`` is the norm's input).
+        norm: with ``recompute``, a token-wise norm module applied to ``hidden`` first, one tile at a time
+            in forward and again in backward: its ``[s, b, h]`` output is never kept (``hidden`` is the
+            norm's input).  ``norm_forward`` calls it (default: the module itself).
         grad_target: with ``recompute``, the gradient of ``hidden`` goes there a tile at a time when the
             node that receives it reads streams (a tiled layer replay, :mod:`residual_offload`).
     Returns:
@@ -297,7 +298,7 @@ def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels:
         raise ValueError("tiled_logits_loss: a norm is applied per tile only with recompute=True")
     args = TiledLossArgs(tp_group=tp_group, num_tiles=num_tiles, reduce_grad_input=reduce_grad_input,
                          recompute=recompute, into_main_grad=recompute and into_main_grad,
-                         norm=norm,
+                         norm=None if norm is None else (norm_forward or norm),
                          grad_target=grad_target if recompute else None)
     target = labels.transpose(0, 1).contiguous()  # [s, b]
     norm_params = () if norm is None else tuple(p for p in norm.parameters() if p.requires_grad)

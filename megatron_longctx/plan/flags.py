@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from megatron_longctx.attention import algorithms
+from megatron_longctx import cp_algorithms as algorithms
 from megatron_longctx.config import (
     FEATURES,
     MEGATRON_FLAGS,

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megatron_longctx.attention import algorithms, schedule_flops
+from megatron_longctx import cp_algorithms as algorithms
+from megatron_longctx.attention import schedule_flops
 from megatron_longctx.plan.search import CP_COMM_TYPES
 
 

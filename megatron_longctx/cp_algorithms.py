@@ -1,7 +1,8 @@
-"""The context-parallel algorithms by name: how each splits the heads and moves K/V (a leaf, no torch).
+"""The context-parallel algorithms by name: how each splits the heads and moves K/V (a leaf: it imports
+nothing, so the config and the planner read it as the attention does).
 
-Every other module reads an algorithm's properties here, never its name: the entry point picks the
-pattern, the schedule counts pairs, the group builder makes the all-to-all and ring groups, the Megatron
+Every other module reads an algorithm's properties here, never its name: the attention's entry point picks
+the pattern, the schedule counts pairs, the group builder makes the all-to-all and ring groups, the Megatron
 layer and the command line map ``--cp-comm-type`` and check the tiled replay, the planner prints the flag.
 """
 
