@@ -13,21 +13,17 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..kernels import varlen
-from ..kernels.base import BlockArgs
+from ..kernels.base import BlockArgs, accumulator_dtype
 from ..kernels.merge import merge_
 from ..kernels.select import kernel_for
 from .segments import BlockCall, whole
-
-
-def _accumulator_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def new_accumulators(q: torch.Tensor, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty online-softmax state for ``q`` ``[b, s, h, d]``: out ``[b, s, h, d_v]`` = 0 and
     lse ``[b, h, s]`` = -inf, in the accumulator dtype."""
     b, s, h, _ = q.shape
-    acc = _accumulator_dtype(q)
+    acc = accumulator_dtype(q)
     out = torch.zeros(b, s, h, d_v, dtype=acc, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
     return out, lse
@@ -237,7 +233,7 @@ def attend_first(
     A single call covering every row and key is the accumulator itself (merging one partial into
     zeros and ``-inf`` is the identity): no zero-filled buffers, no merge.
     """
-    acc = _accumulator_dtype(q)
+    acc = accumulator_dtype(q)
     if whole(calls, q.shape[1], k.shape[1]):
         out, lse = attend_whole(q, k, v, calls[0], softmax_scale, backend)
         return out.to(acc), lse.to(acc)
@@ -258,7 +254,7 @@ def attend_local(
     """
     if whole(calls, q.shape[1], k.shape[1]):
         out, lse = attend_whole(q, k, v, calls[0], softmax_scale, backend)
-        return out.contiguous(), lse.to(_accumulator_dtype(q))
+        return out.contiguous(), lse.to(accumulator_dtype(q))
     out, lse = attend_first(q, k, v, calls, softmax_scale, backend)
     return out.to(q.dtype), lse
 

@@ -42,6 +42,12 @@ class Visibility(enum.Enum):
     PARTIAL = 2  # some pairs are visible: the kernel must apply the mask
 
 
+
+def accumulator_dtype(t: torch.Tensor) -> torch.dtype:
+    """The contract's dtype for lse and every sum over blocks (the online softmax, dK/dV over calls) for
+    inputs of ``t``'s dtype: float64 for float64, float32 otherwise."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
 @dataclasses.dataclass(frozen=True)
 class BlockMask:
     """Which key positions a query position sees.

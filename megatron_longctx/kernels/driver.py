@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .base import BlockArgs, KernelUnsupported, LiveBlock, check_shapes
+from .base import BlockArgs, KernelUnsupported, LiveBlock, accumulator_dtype, check_shapes
 
 
 def require(reason: str | None) -> None:
@@ -47,11 +47,6 @@ class PieceKernel(Protocol):
     def forward(self, q, k, v, scale: float, piece: LiveBlock) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(self, dout, q, k, v, out, lse, scale: float, piece: LiveBlock): ...
-
-
-def lse_dtype(t: torch.Tensor) -> torch.dtype:
-    """The contract's lse dtype for inputs of ``t``'s dtype."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def padded_head_dim(d_qk: int, d_v: int, multiple: int) -> int:
@@ -82,7 +77,7 @@ def empty_result(q: torch.Tensor, rows: int, d_v: int) -> tuple[torch.Tensor, to
     dtype), lse ``[b, h_q, rows]`` = -inf (the contract's lse dtype)."""
     b, h_q = q.shape[0], q.shape[2]
     return (q.new_zeros(b, rows, h_q, d_v),
-            torch.full((b, h_q, rows), float("-inf"), dtype=lse_dtype(q), device=q.device))
+            torch.full((b, h_q, rows), float("-inf"), dtype=accumulator_dtype(q), device=q.device))
 
 
 def zero_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, keys: int) -> tuple[torch.Tensor, ...]:
@@ -183,7 +178,7 @@ def forward(
         o, l = kernel.forward(qp, kp, vp, args.softmax_scale, p)
         o = o[..., :d_v]  # [b, s_q', h_q, d_v]
         if whole:
-            return o.contiguous(), l.to(lse_dtype(q)).contiguous()
+            return o.contiguous(), l.to(accumulator_dtype(q)).contiguous()
         out[:, p.q_lo : p.q_hi] = o
         lse[:, :, p.q_lo : p.q_hi] = l
     return out, lse
@@ -210,7 +205,7 @@ def backward(
         dq, dk, dv = zero_grads(q, k, v, s_q, s_k)
     # Every row of a piece sees a key of it, so its final lse is finite: no row needs the +inf of a
     # row that saw nothing anywhere, and lse goes to the kernel as it is (no full-size masked copy).
-    lse = lse.to(lse_dtype(q))  # [b, h_q, s_q]
+    lse = lse.to(accumulator_dtype(q))  # [b, h_q, s_q]
     for p in pieces:
         rows, keys = slice(p.q_lo, p.q_hi), slice(p.k_lo, p.k_hi)
         dop = pad_head_dim(dout[:, rows].to(q.dtype), d)  # [b, s_q', h_q, D]

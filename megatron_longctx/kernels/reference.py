@@ -11,13 +11,9 @@ from __future__ import annotations
 import torch
 
 from . import driver
-from .base import BlockArgs, LiveBlock, check_shapes
+from .base import BlockArgs, LiveBlock, accumulator_dtype, check_shapes
 
 name = "reference"
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -27,7 +23,7 @@ def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled, masked scores ``[b, h_q, s_q, s_k]`` and the visibility mask ``[s_q, s_k]``."""
-    dt = _compute_dtype(q)
+    dt = accumulator_dtype(q)
     kx = _expand_kv(k, q.shape[2]).to(dt)
     s = torch.einsum("bqhd,bkhd->bhqk", q.to(dt), kx) * args.softmax_scale
     visible = args.mask.dense(args.q_start, q.shape[1], args.k_start, k.shape[1], device=q.device)
@@ -82,8 +78,7 @@ def _forward(q, k, v, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor]:
     p = _probs(s, lse)
     vx = _expand_kv(v, q.shape[2]).to(s.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vx)  # [b, s_q, h_q, d_v]
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return out.to(q.dtype), lse.to(lse_dtype)
+    return out.to(q.dtype), lse.to(accumulator_dtype(q))
 
 
 def backward(dout, q, k, v, out, lse, args: BlockArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import BlockArgs, LiveBlock
-from .driver import empty_result, lse_dtype, pad_head_dim, padded_head_dim, zero_grads
+from .base import BlockArgs, LiveBlock, accumulator_dtype
+from .driver import empty_result, pad_head_dim, padded_head_dim, zero_grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +227,7 @@ def varlen_forward(call, q, k, v, blocks: Sequence[Block], pieces_for: PiecesFn,
             o, l = out[:, at:at + n], lse[:, :, at:at + n]
             at += n
             if s.block in kinds.whole:
-                results[s.block] = (o, l.to(lse_dtype(q)))
+                results[s.block] = (o, l.to(accumulator_dtype(q)))
                 continue
             rows = slice(s.piece.q_lo, s.piece.q_hi)
             results[s.block][0][:, rows] = o
@@ -242,7 +242,7 @@ def varlen_backward(call, dout, q, k, v, out, lse, blocks: Sequence[Block], piec
     d_v = v.shape[-1]
     kinds, grads = _start(blocks, pieces_for, q, v, head_multiple,
                           lambda blk: zero_grads(q, k, v, blk.q_hi - blk.q_lo, blk.k_hi - blk.k_lo))
-    lse = lse.to(lse_dtype(q))
+    lse = lse.to(accumulator_dtype(q))
     for kind, seqs in kinds.groups.items():
         q_rows, k_rows = [(s.q_lo, s.q_hi) for s in seqs], [(s.k_lo, s.k_hi) for s in seqs]
         lse_p = torch.cat([lse[:, :, lo:hi] for lo, hi in q_rows], dim=-1)  # [b, h_q, T]
