@@ -154,11 +154,14 @@ def test_memory_features_keep_the_losses(cp1_losses):
 
 def test_model_state_offload_host_keeps_the_losses(cp1_losses):
     """Bridge's loop with the weights and gradients streamed per layer from host memory (installed when
-    Bridge builds its optimizer): without gradient clipping, the losses of the same CP=2 ring run without
-    it to the bit; with the recipe's clipping (1.0), those of CP=1 as every CP=2 run here."""
+    Bridge builds its optimizer): two streamed runs equal to the bit; the same CP=2 ring run without it to
+    float32's rounding (measured on the 2-core machine: step 1's gradients one rounding step apart in every
+    parameter, the same sums through other buffers; losses equal for two steps, 2.5e-8 relative at the
+    third); with the recipe's clipping (1.0), the losses of CP=1 as every CP=2 run here."""
     plain, _ = run_ranks(2, _train, 2, clip_grad=0.0, cp_algorithm="ring")
     first, second = run_ranks(2, _train, 2, clip_grad=0.0, cp_algorithm="ring", model_state_offload="host")
-    assert first == second == plain
+    assert first == second
+    assert first == pytest.approx(plain, rel=1e-6, abs=0)
     clipped, _ = run_ranks(2, _train, 2, cp_algorithm="ring", model_state_offload="host")
     _log("bridge vanilla_gpt CP=2 ring + model-state offload host", clipped)
     assert clipped == pytest.approx(cp1_losses, rel=1e-5)
