@@ -150,8 +150,7 @@ def default_configs(cp: int) -> list[BenchConfig]:
 # streamed per layer from host memory or disk (--longctx-model-state-offload).  They are searched on request
 # (``--configs``/``--max-seq-configs``), and have their own headline (a model whose states are most of the
 # budget, ``--preset llama-states``); the default sweep and headline leave them out.  Their activation
-# features are ring's recompute + checkpoint offload, and the tiled MLP; not the tiled loss (it uses the
-# output weight after the output layer's forward has returned: the step fails in the streamer's gradient hook).
+# features are ring's recompute + checkpoint offload, and the tiled MLP.
 MODEL_STATE_BASES = {"ring+offload": ("recompute + checkpoint offload", ()),
                      "ring+offload+mlp": ("recompute + checkpoint offload + tiled MLP", (("tiled_mlp_tiles", 4),))}
 MODEL_STATE_TARGETS = ("disk", "host")

@@ -262,6 +262,7 @@ class Trainer:
             self._reseed(0)
             self.config = self._transformer_config()
             self.model = self._build_model()  # the GPTModel (inside Float16Module under bf16)
+            self.plugin = self._make_plugin()
             self.memory_handle = self._install_memory()
             self.ddp = self._wrap_ddp()
             self.model_states = self._install_model_states()
@@ -319,29 +320,30 @@ class Trainer:
                              max_sequence_length=self.shape.seq_length, position_embedding_type="rope")
         return model.to(device())
 
-    def _install_memory(self) -> Any:
+    def _make_plugin(self) -> Any:
+        """The plugin object of this variant (None for baseline Megatron), the one both installs use."""
         if not self.variant.plugin:
             return None
         from megatron_longctx.config import LongContextConfig
-
-        cfg = LongContextConfig.from_flat(self.variant.options())
-        if not cfg.memory.any_enabled:
-            return None
         from megatron_longctx.megatron.plugin import LongContextPlugin
 
-        plugin = LongContextPlugin(cfg)  # the model states go on after DDP (_install_model_states)
+        return LongContextPlugin(LongContextConfig.from_flat(self.variant.options()))
+
+    def _install_memory(self) -> Any:
+        plugin = self.plugin
+        if plugin is None or not plugin.cfg.memory.any_enabled:
+            return None
+        # the model states go on after DDP (_install_model_states)
         return plugin.install(self.model, tuple(f for f in plugin.features if not f.waits_for_optimizer))
 
     def _install_model_states(self) -> Any:
         """``--longctx-model-state-offload``: the plugin's own installer over the DDP-wrapped model."""
-        if not self.variant.plugin:
+        plugin = self.plugin
+        if plugin is None or not plugin.cfg.model_states.enabled:
             return None
-        from megatron_longctx.config import LongContextConfig
-
         from megatron_longctx.bench.model_states import ModelStates
 
-        cfg = LongContextConfig.from_flat(self.variant.options())
-        return ModelStates.install(self.ddp, cfg) if cfg.model_states.enabled else None
+        return ModelStates.install(self.ddp, plugin)
 
     def _wrap_ddp(self) -> Any:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads

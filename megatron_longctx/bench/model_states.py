@@ -23,14 +23,12 @@ class ModelStates:
         self.target = plugin.cfg.model_states.model_state_offload
 
     @classmethod
-    def install(cls, ddp: Any, cfg: Any) -> "ModelStates":
-        from megatron_longctx.megatron.plugin import LongContextPlugin
-
-        if cfg.model_states.model_state_offload == "host" and not torch.cuda.is_available():
+    def install(cls, ddp: Any, plugin: Any) -> "ModelStates":
+        """``plugin``: the Trainer's :class:`~megatron_longctx.megatron.plugin.LongContextPlugin`."""
+        if plugin.cfg.model_states.model_state_offload == "host" and not torch.cuda.is_available():
             raise ValueError("--longctx-model-state-offload host keeps the model states in host memory, which on "
                              "a CPU-only process is the memory it trains in (nothing is saved): use "
                              "--longctx-model-state-offload disk on the CPU")
-        plugin = LongContextPlugin(cfg)
         return cls(plugin, plugin.install_after_wrap(ddp))
 
     @property

@@ -80,10 +80,11 @@ def test_the_states_preset_fills_most_of_its_budget():
 def test_host_on_the_cpu_and_an_unknown_target_are_refused_naming_the_flag():
     from megatron_longctx.bench.model_states import ModelStates
     from megatron_longctx.config import LongContextConfig
+    from megatron_longctx.megatron.plugin import LongContextPlugin
 
     cfg = LongContextConfig.from_flat({"cp_algorithm": "ring", "model_state_offload": "host"})
     with pytest.raises(ValueError, match="--longctx-model-state-offload host .* use --longctx-model-state-offload disk"):
-        ModelStates.install(None, cfg)  # the Trainer's install, refused before it touches the model
+        ModelStates.install(None, LongContextPlugin(cfg))  # the Trainer's install, refused before it touches the model
     with pytest.raises(ValueError, match="model-state-offload.*nvme"):
         LongContextConfig.from_flat({"cp_algorithm": "ring", "model_state_offload": "nvme"})
 
