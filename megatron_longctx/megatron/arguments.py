@@ -235,17 +235,16 @@ def check_after_parsing(args: argparse.Namespace) -> LongContextConfig:
 
 def _check_model_states(args: argparse.Namespace, cfg: LongContextConfig) -> None:
     """Model-state offload against Megatron's flags, its disk directory and the host pool's bound."""
-    import os
-    import tempfile
+    from types import SimpleNamespace
 
     from megatron_longctx.memory import model_state_checks as model_states
+    from megatron_longctx.memory.offload_disk import default_root
 
     model_states.check_megatron_offload(vars(args))
     if cfg.model_states.model_state_offload == "disk":
         model_states.check_disk_step(vars(args))
-        save = getattr(args, "save", None)
-        root = cfg.memory.offload_disk_dir or (os.path.join(save, "offload") if save else tempfile.gettempdir())
-        model_states.check_disk_dir(root)
+        model_states.check_disk_dir(default_root(SimpleNamespace(offload_disk_dir=cfg.memory.offload_disk_dir,
+                                                                  offload_run_dir=getattr(args, "save", None))))
     hidden = getattr(args, "hidden_size", None)
     if hidden:
         heads = getattr(args, "num_attention_heads", None) or 1

@@ -34,6 +34,7 @@ import torch
 from megatron_longctx.config import LongContextConfig
 from megatron_longctx.megatron.features.base import Built, Feature, Installed, unwrap
 from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.offload_disk import default_root
 from megatron_longctx.memory.model_states import FLAG, ModelStateStreamer, StreamOptions
 from megatron_longctx.patching import patch
 
@@ -65,19 +66,6 @@ def _units(chunk: torch.nn.Module) -> list[Any]:
     if getattr(chunk, "mtp_process", False):
         raise ValueError(f"{FLAG}: multi-token prediction layers are not streamed; drop --mtp-num-layers or the flag")
     return units
-
-
-def _default_disk_dir() -> str:
-    """As the activation offload's: ``<--save>/offload``, else the temporary directory."""
-    import tempfile
-
-    from megatron.training.global_vars import get_args
-
-    try:
-        save = get_args().save
-    except AssertionError:  # no Megatron arguments: not under megatron.training
-        save = None
-    return os.path.join(save, "offload") if save else tempfile.gettempdir()
 
 
 def _device() -> torch.device:
@@ -122,7 +110,7 @@ class ModelStatesFeature(Feature):
                 raise ValueError(f"{FLAG}: DDP's buckets scale gradients by {sorted(factors)}; one factor is needed")
             scale = factors.pop() if factors else 1.0
         pool = HostPool(mem.offload_host_pool_bytes)
-        disk_dir = mem.offload_disk_dir or _default_disk_dir() if ms.model_state_offload == "disk" else None
+        disk_dir = default_root(mem) if ms.model_state_offload == "disk" else None
         # a tied embedding's copies on the first and last pipeline stage: Megatron sums their gradients on
         # main_grad after backward, so those stay in host memory with disk
         shared = tuple(i for i, u in enumerate(units) for m in (u if isinstance(u, tuple) else (u,))
@@ -246,15 +234,17 @@ def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: Lo
     nothing to add (the parameters and ``main_grad`` are views of the host copies, stepped in place)."""
     if streamer.opts.target != "disk":
         return lambda optimizer: optimizer
-    import megatron.training.training as training
-
     from megatron_longctx.megatron import offdevice_optimizer
     from megatron_longctx.memory.offdevice_optimizer import OffDeviceSpec
 
+    try:  # the wheels of megatron-core before 0.19 ship no megatron.training: no checkpoint calls to wrap
+        import megatron.training.training as training
+    except ImportError:
+        training = None
     why = f"{FLAG} disk: the weights are read back from their files for this call"
-    for name, store in (("save_checkpoint", False), ("load_checkpoint", True)):  # a save changes no weight
+    for name, store in (("save_checkpoint", False), ("load_checkpoint", True)) if training else ():
         installed.patches.append(patch(training, name, _around(getattr(training, name), streamer, store),
-                                       reason=why).undo)
+                                       reason=why).undo)  # a save changes no weight
 
     def wire(optimizer: Any) -> Any:
         wrappers = offdevice_optimizer.megatron_optimizers(optimizer)
