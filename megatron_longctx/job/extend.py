@@ -15,7 +15,9 @@ stopped.  With ``--plan-model``/``--plan-gpus`` each stage takes the planner's l
 context-parallel size of a stage is the number of local ranks (``--nproc-per-node``) unless
 ``--context-parallel-size`` is given.  A stage ``LENGTH:STEPS@SHORT:FRACTION`` trains ``FRACTION`` of its
 steps, spread evenly, on ``SHORT``-token batches (``run --mix-short``, :mod:`megatron_longctx.job.mix`).
-``OUTPUT_DIR/extend.json`` records each stage's length, steps, mix, RoPE base, layout and state.
+``OUTPUT_DIR/extend.json`` records each stage's length, steps, mix, RoPE base, layout and state.  Before the
+first stage starts, every stage's command line (with the planner's layout for its length) passes ``run``'s own
+checks, so a stage that would be refused is refused before anything is trained or written.
 """
 
 from __future__ import annotations
@@ -113,6 +115,20 @@ def planned_flags(own: argparse.Namespace, length: int) -> tuple[list[str], str]
     return all_flags(plan), plan_cli.format_plan(plan).splitlines()[1]
 
 
+def check_stage(run_argv: list[str], where: str) -> None:
+    """``megatron-longctx run``'s checks of one stage's command line (the planner's layout, its length, its mix):
+    ``ValueError`` saying which stage and the run's own message."""
+    from megatron_longctx.job import command_line, pretrain
+
+    run_own, megatron_argv = pretrain.build_parser().parse_known_args(run_argv)
+    try:
+        job = command_line.Job.from_argv(megatron_argv, run_own)
+        mix_mod.check(None if run_own.mix_short is None else mix_mod.parse(run_own.mix_short),
+                      job.values.seq_length, job.context_parallel_size)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def _bases(text: Optional[str], n: int) -> list[Optional[str]]:
     if text is None:
         return [None] * n
@@ -182,13 +198,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError("--plan-model and --plan-gpus go together (the planner lays out a model on GPUs)")
         if own.plan_model is not None and own.context_parallel_size is not None:
             raise ValueError("--context-parallel-size with --plan-model: the planner chooses CP per stage; drop one")
-        for number, stage in enumerate(stages, 1):  # a short length CP cannot split: refused before any stage runs
-            if stage.mix is not None and own.plan_model is None:  # (the planner's CP: checked by the stage's run)
-                mix_mod.check(stage.mix, stage.length, own.context_parallel_size or own.nproc_per_node,
-                              flag=f"--stages {own.stages!r}: stage {number} mixes")
-        if own.plan_model is not None:
-            for stage in stages:
-                planned_flags(own, stage.length)  # a stage no layout fits is refused before any stage runs
+        for index in range(len(stages)):  # every stage's run checked as `run` will check it, before any runs
+            check_stage(stage_argv(own, megatron_argv, index, stages, bases[index])[0],
+                        f"--stages {own.stages!r}: stage {index + 1} ({stages[index].length} tokens)")
     except (ValueError, SystemExit) as exc:  # PlanInfeasible is a ValueError; the planner's parser exits
         print(f"megatron-longctx extend: error: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGS

@@ -70,6 +70,23 @@ def test_bad_stage_lists_are_refused_naming_the_flag(tmp_path, capsys, flags, na
     assert not os.path.exists(tmp_path / "x")
 
 
+@pytest.mark.parametrize("flags, named", [
+    # the planner's layout for stage 1 (DP=8 over a global batch of 8) on 3 local ranks
+    (["--stages", "8K:2,1M:1", "--plan-model", "llama3-8b", "--plan-gpus", "8", "--plan-gpu", "h200",
+      "--nproc-per-node", "3"], "stage 1 (8192 tokens): --global-batch-size 8 must be a multiple of"),
+    (["--stages", "8K:2,16K:2@1001:0.5", "--nproc-per-node", "2"],
+     "stage 2 (16384 tokens): --mix-short 1001:0.5: the short length must be a multiple of 2 x"),
+    (["--stages", "8K:2,16K:2", "--nproc-per-node", "2", "--num-attention-heads", "3"],
+     "stage 1 (8192 tokens): --hidden-size"),
+])
+def test_every_stage_is_checked_as_run_checks_it_before_any_runs(tmp_path, capsys, flags, named):
+    main_job.skip_without_megatron_training()
+    assert extend.main(["--output-dir", str(tmp_path / "x"), *flags]) == 2
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatron-longctx extend:")]
+    assert len(ours) == 1 and named in ours[0], ours
+    assert not os.path.exists(tmp_path / "x")
+
+
 def test_stage_lengths_parse_with_units():
     assert extend.parse_stages("8K:200,32K:100,1M:5") == [(8192, 200, None), (32768, 100, None), (1 << 20, 5, None)]
 
