@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Optional
 
-COMMANDS = {
+# name -> (module whose main(argv) runs it, what it does)
+Table = dict[str, tuple[str, str]]
+
+COMMANDS: Table = {
     "run": ("megatron_longctx.job.pretrain", "the main job: long-context GPT training with context parallelism"),
     "bench": ("megatron_longctx.bench.commands",
               "regression benchmark against baseline Megatron; `bench NAME`: the others (`bench list`)"),
@@ -27,23 +31,34 @@ COMMANDS = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: megatron-longctx {" + ",".join(COMMANDS) + "} [args...]", ""]
-    lines += [f"  {name:<7} {doc}" for name, (_, doc) in COMMANDS.items()]
-    return "\n".join(lines)
+def usage(head: str, table: Table) -> str:
+    width = max(len(name) for name in table) + 1
+    return "\n".join([head, ""] + [f"  {name:<{width}} {doc}" for name, (_, doc) in table.items()])
 
 
-def main(argv: list[str] | None = None) -> int:
+def dispatch(prog: str, kind: str, table: Table, name: str, argv: list[str], head: str) -> int:
+    """``table[name]``'s ``main(argv)``, its parsers' usage line saying ``prog name``; an unknown ``name``: the
+    listing on stderr and exit code 2."""
+    if name not in table:
+        print(f"{prog}: unknown {kind} {name!r}\n\n{usage(head, table)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(table[name][0])
+    program, sys.argv[0] = sys.argv[0], f"{prog} {name}"  # the usage line of a parser without prog
+    try:
+        return int(module.main(argv) or 0)
+    finally:
+        sys.argv[0] = program
+
+
+HEAD = "usage: megatron-longctx {" + ",".join(COMMANDS) + "} [args...]"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(usage(HEAD, COMMANDS))
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"megatron-longctx: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return dispatch("megatron-longctx", "command", COMMANDS, argv[0], argv[1:], HEAD)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ them).  The same modules run as ``python -m megatron_longctx.bench.<module>``.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Optional
 
+from megatron_longctx.cli import dispatch, usage
+
 REGRESSION = "regression"
 # name -> (module, what it measures)
-BENCHMARKS = {
+BENCHMARKS = {name: (f"megatron_longctx.bench.{module}", doc) for name, (module, doc) in {
     REGRESSION: ("regression", "the plugin against baseline Megatron: time per token, memory, longest sequence"),
     "scaling": ("scaling", "one training step from 16K to 1M tokens: time and memory against length"),
     "peers": ("peers", "the peers side by side: DeepSpeed Ulysses, ALST's tiled MLP and loss, torch's context_parallel"),
@@ -24,34 +25,21 @@ BENCHMARKS = {
     "packed": ("packed_bench", "packed (THD) attention against dense on one rank: time per visible pair, kernel calls"),
     "packed-balance": ("packed_balance_bench", "attention work per CP rank for packed documents of skewed lengths"),
     "sinks": ("sinks_bench", "what attention sinks cost: one rank's attention with and without them"),
-}
-
-
-def _usage() -> str:
-    lines = ["usage: megatron-longctx bench [NAME] [args...]   (no NAME: regression)", ""]
-    lines += [f"  {name:<15} {doc}" for name, (_, doc) in BENCHMARKS.items()]
-    return "\n".join(lines)
+}.items()}
+HEAD = "usage: megatron-longctx bench [NAME] [args...]   (no NAME: regression)"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["list"]:
-        print(_usage())
+        print(usage(HEAD, BENCHMARKS))
         return 0
     name = REGRESSION
     if argv and not argv[0].startswith("-"):
         name, argv = argv[0], argv[1:]
     elif "--scaling" in argv:  # the older spelling of `bench scaling`
         name, argv = "scaling", [a for a in argv if a != "--scaling"]
-    if name not in BENCHMARKS:
-        print(f"megatron-longctx bench: unknown benchmark {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(f"megatron_longctx.bench.{BENCHMARKS[name][0]}")
-    program, sys.argv[0] = sys.argv[0], f"megatron-longctx bench {name}"  # the usage line of a parser without prog
-    try:
-        return int(module.main(argv) or 0)
-    finally:
-        sys.argv[0] = program
+    return dispatch("megatron-longctx bench", "benchmark", BENCHMARKS, name, argv, HEAD)
 
 
 if __name__ == "__main__":

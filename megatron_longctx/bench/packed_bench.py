@@ -28,6 +28,7 @@ from megatron_longctx.attention.block_loop import Rows, attend_local, attend_loc
 from megatron_longctx.kernels import select
 from megatron_longctx.kernels.base import BlockMask
 from megatron_longctx.bench import harness
+from megatron_longctx.patching import patch
 
 
 class _Counter:
@@ -36,25 +37,24 @@ class _Counter:
     NAMES = ("forward", "backward", "forward_blocks", "backward_blocks")
 
     def __init__(self, module):
-        self.module, self.counts, self.saved = module, dict.fromkeys(self.NAMES, 0), {}
+        self.module, self.counts, self.patches = module, dict.fromkeys(self.NAMES, 0), []
 
     def __enter__(self):
         for name in self.NAMES:
             original = getattr(self.module, name, None)
             if original is None:
                 continue
-            self.saved[name] = original
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 self.counts[_name] += 1
                 return _original(*args, **kwargs)
 
-            setattr(self.module, name, counted)
+            self.patches.append(patch(self.module, name, counted, reason="the benchmark counts the backend's calls"))
         return self
 
     def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            setattr(self.module, name, original)
+        while self.patches:
+            self.patches.pop().undo()
 
 
 def _case(lengths: list[int], mask: BlockMask, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
