@@ -19,7 +19,7 @@ import dataclasses
 import glob
 import os
 import sysconfig
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -76,17 +76,23 @@ def stdlib_sources(max_bytes: int) -> list[str]:
     return chosen
 
 
-def write_indexed_dataset(prefix: str, paths: list[str], tokenizer: ByteTokenizer) -> int:
-    """Tokenize ``paths`` (one document each, EOD-terminated) into ``prefix.bin``/``prefix.idx``; returns tokens."""
+def write_indexed_dataset(prefix: str, paths: list[str], tokenizer: ByteTokenizer,
+                          extra: Sequence[Sequence[int]] = ()) -> int:
+    """Tokenize ``paths`` (one document each, EOD-terminated), then the token lists of ``extra`` (one document
+    each), into ``prefix.bin``/``prefix.idx``; returns tokens."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     builder = IndexedDatasetBuilder(prefix + ".bin.tmp", dtype=np.uint16)
     total = 0
-    for path in paths:
-        with open(path, "rb") as f:
-            data = np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)  # [bytes]
-        doc = np.append(data, tokenizer.eod)  # [bytes + 1]
+    sources = [*((path, None) for path in paths), *((None, tokens) for tokens in extra)]
+    for path, tokens in sources:
+        if path is not None:
+            with open(path, "rb") as f:
+                data = np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)  # [bytes]
+        else:
+            data = np.asarray(tokens, dtype=np.int64)  # [tokens]
+        doc = np.append(data, tokenizer.eod)  # [tokens + 1]
         builder.add_item(torch.from_numpy(doc))
         builder.end_document()
         total += doc.size
@@ -96,12 +102,16 @@ def write_indexed_dataset(prefix: str, paths: list[str], tokenizer: ByteTokenize
     return total
 
 
-def ensure_stdlib_dataset(data_dir: str, max_bytes: int, tokenizer: ByteTokenizer) -> str:
-    """Build (rank 0, once) the standard-library corpus under ``data_dir``; every rank returns its prefix."""
-    prefix = os.path.join(data_dir, f"stdlib_{max_bytes}")
+def ensure_stdlib_dataset(data_dir: str, max_bytes: int, tokenizer: ByteTokenizer,
+                          extra: Optional[tuple[str, Callable[[], Sequence[Sequence[int]]]]] = None) -> str:
+    """Build (rank 0, once) the standard-library corpus under ``data_dir``; every rank returns its prefix.
+
+    ``extra``: ``(name, documents)``: the token lists ``documents()`` returns are added as documents of their
+    own, in a corpus of its own (``name`` in its prefix)."""
+    prefix = os.path.join(data_dir, f"stdlib_{max_bytes}" + (f"_{extra[0]}" if extra else ""))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
-        write_indexed_dataset(prefix, stdlib_sources(max_bytes), tokenizer)
+        write_indexed_dataset(prefix, stdlib_sources(max_bytes), tokenizer, extra[1]() if extra else ())
     if dist.is_initialized():
         dist.barrier()
     return prefix

@@ -25,6 +25,7 @@ BENCHMARKS = {name: (f"megatron_longctx.bench.{module}", doc) for name, (module,
     "packed": ("packed_bench", "packed (THD) attention against dense on one rank: time per visible pair, kernel calls"),
     "packed-balance": ("packed_balance_bench", "attention work per CP rank for packed documents of skewed lengths"),
     "sinks": ("sinks_bench", "what attention sinks cost: one rank's attention with and without them"),
+    "extension": ("extension", "context extension end to end: pretrain short, extend long, passkeys and loss before/after"),
 }.items()}
 HEAD = "usage: megatron-longctx bench [NAME] [args...]   (no NAME: regression)"
 

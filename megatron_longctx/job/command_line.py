@@ -47,7 +47,8 @@ _NUMERIC = (
     ("--lr-decay-iters", int, 1), ("--min-lr", float, 0.0),
 )
 _MANAGED = ("--save", "--load", "--ckpt-step", "--save-interval", "--exit-interval")
-_OWN_MINIMUM = (("nproc_per_node", 1), ("data_max_bytes", 1), ("resume_check_steps", 1), ("baseline_steps", 1))
+_OWN_MINIMUM = (("nproc_per_node", 1), ("data_max_bytes", 1), ("data_passkeys", 0), ("resume_check_steps", 1),
+                ("baseline_steps", 1))
 
 
 def job_parser(prog: str, doc: str, epilog: str, group: str, output_dir: str,
@@ -61,6 +62,9 @@ def job_parser(prog: str, doc: str, epilog: str, group: str, output_dir: str,
     g.add_argument("--output-dir", default=output_dir, help=output_help)
     g.add_argument("--data-dir", default=None, help="indexed dataset cache (default: OUTPUT_DIR/../data)")
     g.add_argument("--data-max-bytes", type=int, default=4 << 20, help="bytes of stdlib sources in the corpus")
+    g.add_argument("--data-passkeys", type=int, default=0, metavar="COUNT",
+                   help="add COUNT passkey prompts to the corpus, each a document of its own (eval's format; lengths "
+                        "up to --seq-length, needles at every depth): what a model learns passkey retrieval from")
     return p, g
 
 
@@ -271,11 +275,15 @@ def _data_dir(own: argparse.Namespace) -> str:
     return own.data_dir or os.path.join(os.path.dirname(os.path.abspath(own.output_dir)), "data")
 
 
-def ensure_corpus(own: argparse.Namespace) -> str:
-    """Build (once) the standard-library corpus; returns its ``--data-path`` prefix."""
+def ensure_corpus(own: argparse.Namespace, seq_length: int) -> str:
+    """Build (once) the standard-library corpus, with ``--data-passkeys`` prompts of up to ``seq_length``
+    tokens; returns its ``--data-path`` prefix."""
     from megatron_longctx import data as data_mod
+    from megatron_longctx.job import passkey
 
-    return data_mod.ensure_stdlib_dataset(_data_dir(own), own.data_max_bytes, data_mod.ByteTokenizer())
+    count = own.data_passkeys
+    extra = (f"passkeys{count}x{seq_length}", lambda: passkey.documents(count, seq_length)) if count else None
+    return data_mod.ensure_stdlib_dataset(_data_dir(own), own.data_max_bytes, data_mod.ByteTokenizer(), extra)
 
 
 def device_name() -> str:

@@ -84,7 +84,7 @@ def plan(own: argparse.Namespace, megatron_argv: list[str]) -> tuple[list[str], 
     continuation.check_continuation(own.load, step, None, [*command_line.DEFAULTS, *job.user_argv])
     for note in notes:
         print(f"megatron-longctx eval: {note}", flush=True)
-    job.data_path = command_line.ensure_corpus(own)
+    job.data_path = command_line.ensure_corpus(own, job.values.seq_length)
     worker_argv = [*job._common(), "--load", own.load, "--ckpt-step", str(step), "--finetune", "--no-load-optim",
                    "--no-load-rng"]
     settings = {"eval_batches": own.eval_batches, "position_bins": own.position_bins, "passkey_lengths": lengths,

@@ -56,3 +56,23 @@ def make(length: int, depth: float, seed: int) -> Passkey:
     tokens = ByteTokenizer().tokenize(text.decode())
     return Passkey(tokens=tokens, key=key, needle_key=(key_at, key_at + DIGITS), answer=(length - DIGITS, length),
                    depth=at / max(room, 1))
+
+
+# Seeds of the training documents: a stream apart from evaluation's (``1000 * trial + 17``).
+TRAIN_SEED = 10_000_000
+
+
+def minimum_length() -> int:
+    """The shortest prompt: the needle and the question with no filler."""
+    return len(needle("0" * DIGITS)) + len(question("0" * DIGITS))
+
+
+def documents(count: int, max_length: int, seed: int = TRAIN_SEED) -> list[list[int]]:
+    """``count`` prompts for a training corpus: lengths uniform from twice :func:`minimum_length` to
+    ``max_length``, needles at uniform depths, each key drawn from its own seed."""
+    low = 2 * minimum_length()
+    if max_length < low:
+        raise ValueError(f"--data-passkeys: prompts need at least {low} tokens, the run's --seq-length is "
+                         f"{max_length}; raise --seq-length or drop --data-passkeys")
+    draw = random.Random(seed)
+    return [make(draw.randint(low, max_length), draw.random(), seed + 1 + i).tokens for i in range(count)]

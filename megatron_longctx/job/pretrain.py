@@ -172,7 +172,7 @@ def run_job(own: argparse.Namespace, megatron_argv: list[str]) -> int:
     metrics = os.path.join(own.output_dir, "metrics.jsonl")
     if os.path.exists(metrics) and job.load is None:
         os.remove(metrics)  # a fresh run's metrics (a resumed run appends)
-    job.data_path = command_line.ensure_corpus(own)
+    job.data_path = command_line.ensure_corpus(own, job.values.seq_length)
     summary: dict[str, Any] = {"world_size": own.nproc_per_node, "shape": job.shape(), "train_steps": job.train_iters,
                                "mix_short": None if mix is None else dataclasses.asdict(mix),
                                "global_batch_size": job.global_batch_size, "device": command_line.device_name(),

@@ -33,7 +33,7 @@ def source(tmp_path_factory):
         [*main_job.TINY, *SHORT, "--output-dir", out, "--data-dir", data, "--context-parallel-size", "1",
          "--train-iters", "2"])
     job = command_line.Job.from_argv(margv, own)
-    job.data_path = command_line.ensure_corpus(own)
+    job.data_path = command_line.ensure_corpus(own, job.values.seq_length)
     os.makedirs(out)
     argv = [*job.baseline_argv(2), "--save", job.save, "--save-interval", "2"]
     settings = {"name": "source", "metrics": os.path.join(out, "metrics.jsonl"), "progress": False, "total_steps": 2}

@@ -69,6 +69,35 @@ def test_passkey_prompt_holds_its_key_where_it_says(length, depth):
     assert passkey.make(length, depth, seed=8).key != prompt.key
 
 
+def test_passkey_corpus_adds_training_prompts_as_documents_of_their_own(tmp_path):
+    """``--data-passkeys``: the stdlib documents first, then the prompts, each EOD-terminated, lengths up to
+    the run's --seq-length, keys of a seed stream apart from eval's."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_longctx import data as data_mod
+
+    tok = ByteTokenizer()
+    docs = passkey.documents(40, 300)
+    assert docs == passkey.documents(40, 300) and len(docs) == 40
+    assert all(2 * passkey.minimum_length() <= len(d) <= 300 for d in docs)
+    assert len({len(d) for d in docs}) > 20  # lengths spread over the range
+    keys = {tok.detokenize(d[-passkey.DIGITS:]) for d in docs}
+    evals = {passkey.make(256, 0.5, seed=1000 * t + 17).key for t in range(8)}
+    assert len(keys) == 40 and not keys & evals
+    for d in docs:  # every prompt holds its key in its needle and answers it at its end
+        text, key = tok.detokenize(d), tok.detokenize(d[-passkey.DIGITS:])
+        assert passkey.needle(key) in text and text.endswith(passkey.question(key))
+
+    prefix = data_mod.ensure_stdlib_dataset(str(tmp_path), 64 << 10, tok, ("passkeys40x300", lambda: docs))
+    assert prefix.endswith("stdlib_65536_passkeys40x300")
+    ds, files = IndexedDataset(prefix), data_mod.stdlib_sources(64 << 10)
+    assert len(ds) == len(files) + len(docs)
+    for i, d in enumerate(docs):
+        assert ds[len(files) + i].tolist() == [*d, tok.eod]
+    with pytest.raises(ValueError, match="--data-passkeys: prompts need at least"):
+        passkey.documents(1, passkey.minimum_length())
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--passkey-lengths", "300"], "--passkey-lengths 300"),
     (["--passkey-lengths", "130"], "--passkey-lengths 130"),

@@ -11,7 +11,7 @@ def _run(monkeypatch, capsys, tmp_path, *flags):
 
     spawned = []
     monkeypatch.setattr(pretrain, "run_phase", lambda *a, **k: spawned.append(a) or 0)
-    monkeypatch.setattr(pretrain, "ensure_corpus", lambda own: str(tmp_path), raising=False)
+    monkeypatch.setattr(pretrain, "ensure_corpus", lambda own, seq_length: str(tmp_path), raising=False)
     rc = pretrain.main(["--output-dir", str(tmp_path / "run"), *flags])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatron-longctx run")]
     return rc, err, spawned
