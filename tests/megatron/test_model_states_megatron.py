@@ -1,0 +1,242 @@
+"""Model-state streaming through Megatron: GPTModel on one rank and at CP=2 equal to the run without it
+bit for bit (host and disk, with recompute and the tiled loss), the flag parsed into its section, bad input
+refused naming the flags, Bridge's configuration and the training loops' deferred install."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from megatron_longctx.memory.host_pool import HostPool
+from megatron_longctx.memory.model_states import ModelStateStreamer, StreamOptions
+
+
+
+# ------------------------------------------------------------------ through Megatron's GPTModel (one rank)
+def _same_losses(ref, model, b: dict, tokens: torch.Tensor) -> None:
+    """A micro-batch's forward and backward through ``ref`` and the streamed ``model``: the same loss."""
+    losses = []
+    for m in (ref, model):
+        torch.manual_seed(7)
+        per_token = m(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        loss = (per_token.float() * b["loss_mask"]).sum() / tokens
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], rtol=0, atol=0)
+
+
+def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1) -> None:
+    import warnings
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from tests.dist import megatron_parallel
+    from tests.gpt_kit import SEQ, VOCAB, batch, cpu, local_spec, tiny_config
+
+    extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+        if recompute else {}
+    with cpu(), megatron_parallel():
+        def build():
+            torch.manual_seed(3)
+            model_parallel_cuda_manual_seed(3)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return GPTModel(tiny_config(num_layers=3, **extra), local_spec(), vocab_size=VOCAB,
+                                max_sequence_length=SEQ, position_embedding_type="rope",
+                                share_embeddings_and_output_weights=False)
+
+        ref, model = build(), build()
+        if loss_tiles > 1:  # the loss runs inside the output layer's call, where its weights are in a slot
+            from megatron_longctx.megatron.tiled_loss import install_tiled_loss
+
+            install_tiled_loss(ref, loss_tiles)
+            install_tiled_loss(model, loss_tiles)
+        units = [model.embedding, *model.decoder.layers, model.output_layer]
+        opts = StreamOptions(target=target, device=torch.device("cpu"), pool=HostPool(1 << 24, pin=False),
+                             disk_dir=disk_dir if target == "disk" else None)
+        streamer = ModelStateStreamer(units, opts)
+        peak = 0
+        for step in range(2):  # two micro-batches, accumulated
+            b = batch(seed=step)
+            _same_losses(ref, model, b, b["loss_mask"].sum())
+            streamer.finish_backward()
+            streamer.check_released()
+            peak = max(peak, streamer.peak_resident)
+        assert 0 < peak <= streamer.capacity
+        assert streamer.loads >= 2 * 2 * len(units) and streamer.grad_flushes == 2 * len(units)
+        ref_units = [ref.embedding, *ref.decoder.layers, ref.output_layer]
+        for i, unit in enumerate(ref_units):
+            for p_ref, w, g in zip(unit.parameters(), streamer.unit_weights(i), streamer.unit_grads(i)):
+                assert_close(w, p_ref.detach(), rtol=0, atol=0)
+                assert_close(g, p_ref.grad, rtol=0, atol=0)
+        for (name, p_ref), p in zip(ref.decoder.final_layernorm.named_parameters(),
+                                    model.decoder.final_layernorm.parameters()):  # not streamed: as before
+            assert_close(p.grad, p_ref.grad, rtol=0, atol=0)
+        streamer.remove()
+
+
+@pytest.mark.parametrize("recompute,target,loss_tiles", [(False, "host", 1), (True, "disk", 1), (True, "disk", 3)])
+def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, loss_tiles: int, tmp_path) -> None:
+    from tests.dist import run_ranks
+
+    run_ranks(1, _gpt_body, recompute, target, str(tmp_path), loss_tiles)
+
+
+# ------------------------------------------------------------------ flags and bad input
+def _args(*argv: str):
+    import argparse
+
+    from megatron_longctx.megatron.arguments import add_longctx_args
+
+    return add_longctx_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_flag_parses_into_its_section(tmp_path) -> None:
+    from megatron_longctx.megatron.arguments import check_after_parsing
+
+    args = _args("--longctx-model-state-offload", "disk", "--longctx-offload-disk-dir", str(tmp_path))
+    cfg = check_after_parsing(args)
+    assert cfg.model_states.model_state_offload == "disk" and cfg.model_states.enabled
+    assert cfg.memory.offload_disk_dir == str(tmp_path)
+
+
+def test_bad_input_names_the_flags_and_the_fix(tmp_path) -> None:
+    from megatron_longctx.config import LongContextConfig, ModelStateConfig
+    from megatron_longctx.megatron.arguments import check_after_parsing
+
+    with pytest.raises(ValueError, match=r"--longctx-model-state-offload: got 'gpu'; choose one of none, host, disk"):
+        ModelStateConfig(model_state_offload="gpu")
+    with pytest.raises(ValueError, match=r"--longctx-model-state-slots: got 1; give an integer >= 2"):
+        ModelStateConfig(model_state_slots=1)
+    with pytest.raises(ValueError, match=r"--longctx-offload-disk-dir: is only used with .*model-state-offload disk"):
+        LongContextConfig.from_flat({"offload_disk_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"--longctx-model-state-offload: 'host' does not go with "
+                                         r"--longctx-tiled-loss-recompute: .*drop --longctx-tiled-loss-recompute"):
+        LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4, "tiled_loss_recompute": True})
+    LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4})  # the tiled loss goes with it
+    for megatron in ({"cpu_offloading": True}, {"cpu_offloading_num_layers": 2}, {"cpu_offloading_weights": True}):
+        args = _args("--longctx-model-state-offload", "host")
+        vars(args).update(megatron)
+        flag = "--" + next(iter(megatron)).replace("_", "-")
+        with pytest.raises(ValueError, match=rf"--longctx-model-state-offload: Megatron's {flag} .*drop {flag}"):
+            check_after_parsing(args)
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.access(locked, os.W_OK):  # root ignores the mode: a file in the way stands for the unwritable directory
+        locked = tmp_path / "file"
+        locked.write_text("")
+    with pytest.raises(ValueError, match=rf"--longctx-model-state-offload disk: --longctx-offload-disk-dir {locked} "
+                                         r"is not writable .*give a directory this user can write"):
+        check_after_parsing(_args("--longctx-model-state-offload", "disk", "--longctx-offload-disk-dir", str(locked)))
+    # a pool too small for two layer slots: refused with the bytes it needs
+    args = _args("--longctx-model-state-offload", "host", "--longctx-offload-host-pool-bytes", str(1 << 20))
+    vars(args).update(hidden_size=1536, ffn_hidden_size=4096, num_attention_heads=12, group_query_attention=True,
+                      num_query_groups=4, swiglu=True, bf16=True)
+    per_layer = 1536 * (1536 + 2 * 4 * 128) + 1536 * 1536 + 3 * 1536 * 4096 + 2 * 1536
+    with pytest.raises(ValueError, match=rf"--longctx-offload-host-pool-bytes {1 << 20} cannot hold two layer slots "
+                                         rf"\({2 * per_layer * 6} bytes.*raise it to at least {2 * per_layer * 6}"):
+        check_after_parsing(args)
+
+
+# ------------------------------------------------------------------ context parallelism (two ranks)
+def _cp_body(algorithm: str, recompute: bool) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_longctx import apply_to_spec
+    from megatron_longctx.megatron.batch import get_batch_on_this_cp_rank
+    from tests.dist import megatron_parallel
+    from tests.gpt_kit import batch, build_gpt, cpu, local_spec, tiny_config
+
+    extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+        if recompute else {}
+    with cpu(), megatron_parallel(cp=2):
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+        def build():
+            return build_gpt(tiny_config(cp=2, **extra), apply_to_spec(local_spec(), cp_algorithm=algorithm))
+
+        ref, model = build(), build()
+        units = [model.embedding, *model.decoder.layers, model.output_layer]
+        opts = StreamOptions(target="host", device=torch.device("cpu"), pool=HostPool(1 << 24, pin=False),
+                             reduce_group=group)
+        streamer = ModelStateStreamer(units, opts)
+        cp_group = parallel_state.get_context_parallel_group()
+        for step in range(2):  # two micro-batches; the gradients are reduced once, after the last (as DDP's)
+            streamer.sync_grads = step == 1
+            full = batch(seed=step)
+            local = get_batch_on_this_cp_rank(dict(full), cp_group)
+            _same_losses(ref, model, local, full["loss_mask"].sum())
+            streamer.finish_backward()
+            streamer.check_released()
+        ref_units = [ref.embedding, *ref.decoder.layers, ref.output_layer]
+        for i, unit in enumerate(ref_units):
+            for p_ref, w, g in zip(unit.parameters(), streamer.unit_weights(i), streamer.unit_grads(i)):
+                dist.all_reduce(p_ref.grad, group=group)
+                assert_close(w, p_ref.detach(), rtol=0, atol=0)
+                assert_close(g, p_ref.grad, rtol=0, atol=0)
+        streamer.remove()
+
+
+@pytest.mark.parametrize("algorithm,recompute", [("ring", True), ("ulysses", False)])
+def test_cp2_bit_for_bit(algorithm: str, recompute: bool) -> None:
+    """CP=2 with our attention: the gradient slots summed over the DP x CP group before they leave."""
+    from tests.dist import run_ranks
+
+    run_ranks(2, _cp_body, algorithm, recompute)
+
+
+def test_bridge_refuses_disk_and_training_loops_defer() -> None:
+    """Bridge's configure refuses ``disk`` by name (Bridge's checkpointing would not read the files back) and
+    Megatron's ``cpu_offloading`` beside the flag; the installer defers the install to the optimizer's build
+    (after DDP), patching ``get_megatron_optimizer`` of Megatron-LM's loop and, once Bridge's optimizer module
+    is imported, of Bridge's, each once."""
+    import sys
+    import types
+
+    training = pytest.importorskip("megatron.training.training", reason="the deferred install patches megatron.training")
+
+    from megatron_longctx.bridge.configure import check_model_config, check_model_state_training
+    from megatron_longctx.config import LongContextConfig
+    from megatron_longctx.megatron.features.base import Built
+    from megatron_longctx.megatron.features.model_states import BRIDGE_OPTIMIZER_MODULES, FEATURE
+    from megatron_longctx.megatron.memory_spec import install_and_report
+
+    disk = LongContextConfig.from_flat({"model_state_offload": "disk"})
+    with pytest.raises(ValueError, match=r"model_state_offload='disk'.*use model_state_offload='host'"):
+        check_model_config(types.SimpleNamespace(), disk)
+    host = LongContextConfig.from_flat({"model_state_offload": "host"})
+    with pytest.raises(ValueError, match=r"model.cpu_offloading.*set model.cpu_offloading=false"):
+        check_model_config(types.SimpleNamespace(cpu_offloading=True), host)
+    check_model_config(types.SimpleNamespace(), host)  # host goes through Bridge
+    with pytest.raises(ValueError, match=r"model.gradient_accumulation_fusion.*set model.gradient_accumulation_fusion=false"):
+        check_model_config(types.SimpleNamespace(gradient_accumulation_fusion=True), host)
+    fused = torch.nn.Linear(2, 2)
+    fused.config = types.SimpleNamespace(gradient_accumulation_fusion=True)  # Megatron's, with apex's kernel
+    with pytest.raises(ValueError, match=r"--longctx-model-state-offload: .*add --no-gradient-accumulation-fusion"):
+        FEATURE.install(Built.of(fused), host)
+    recipe = types.SimpleNamespace(ddp=types.SimpleNamespace(use_distributed_optimizer=True),
+                                   optimizer=types.SimpleNamespace(use_distributed_optimizer=True))
+    with pytest.raises(ValueError, match=r"ddp.use_distributed_optimizer=True.*set ddp.use_distributed_optimizer=false"):
+        check_model_state_training(recipe)
+    recipe.ddp.use_distributed_optimizer = recipe.optimizer.use_distributed_optimizer = False
+    check_model_state_training(recipe)
+
+    bridge_optim = types.ModuleType(BRIDGE_OPTIMIZER_MODULES[0])  # Bridge's module, as its loop imports it
+    bridge_optim.get_megatron_optimizer = bridge_original = lambda *a, **k: None
+    original = training.get_megatron_optimizer
+    sys.modules[bridge_optim.__name__] = bridge_optim
+    try:
+        assert install_and_report(torch.nn.Linear(2, 2), host) is None
+        assert training.get_megatron_optimizer is not original
+        assert bridge_optim.get_megatron_optimizer is not bridge_original
+    finally:
+        for pending in FEATURE.pending:
+            pending.undo()
+        del sys.modules[bridge_optim.__name__]
+    assert training.get_megatron_optimizer is original and bridge_optim.get_megatron_optimizer is bridge_original
