@@ -355,12 +355,6 @@ class LongContextConfig:
             raise TypeError(f"LongContextConfig.cp must be a ContextParallelConfig, got {type(self.cp).__name__}")
         if not isinstance(self.memory, MemoryConfig):
             raise TypeError(f"LongContextConfig.memory must be a MemoryConfig, got {type(self.memory).__name__}")
-        if self.model_states.enabled and self.memory.tiled_loss_recompute:
-            raise flag_error("model_state_offload",
-                             f"{self.model_states.model_state_offload!r} does not go with --longctx-tiled-loss-recompute: "
-                             "that loss runs the decoder's final norm after the norm's own call, when the streamer "
-                             "has taken its weights off the device again; drop --longctx-tiled-loss-recompute (the "
-                             "tiled loss itself goes with it)")
         if (self.cp.cp_ulysses_size and self.cp.cp_algorithm != "auto"
                 and algorithms.get(self.cp.cp_algorithm).heads != "groups"):
             raise flag_error("cp_ulysses_size", f"only applies to the hybrid algorithm, but --longctx-cp-algorithm is "

@@ -91,11 +91,10 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bo
 
                 hidden = gather_from_sequence_parallel_region(hidden, group=output_layer.tp_group)  # [s, b, h]
                 seen["reduce"] = False
-            if final_norm is not None:  # the norm is the decoder's: the loss runs where Megatron computes it
-                return hidden, None
             # The loss is the output layer's output: whatever brings the layer's weights in for its call (the
             # model-state streamer) has them in for the logits, and brings them in again for the loss's
-            # backward, which starts at this output.
+            # backward, which starts at this output.  With recompute the final norm runs here too, per tile
+            # (its own call passed the hidden states through): the streamer keeps it in the output's unit.
             seen["loss"] = tiled(labels, hidden)
             return seen["loss"], None
 

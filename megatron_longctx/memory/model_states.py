@@ -170,7 +170,8 @@ class ModelStateStreamer(OffDeviceStore):
             for m in u.modules:
                 self._handles.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u)))
                 self._handles.append(m.register_forward_hook(  # also when forward raises: the packer leaves
-                    lambda _m, _a, out, u=u: self._post_forward(u, out), always_call=True))
+                    lambda _m, args, kwargs, out, u=u: self._post_forward(u, (args, kwargs), out),
+                    with_kwargs=True, always_call=True))
             for p in u.params:
                 if p.goffset >= 0:
                     self._handles.append(p.param.register_post_accumulate_grad_hook(
@@ -185,11 +186,12 @@ class ModelStateStreamer(OffDeviceStore):
         ctx.__enter__()
         self._forward_ctx.append(ctx)
 
-    def _post_forward(self, u: Unit, out: Any) -> None:
+    def _post_forward(self, u: Unit, inputs: tuple, out: Any) -> None:
         self._forward_ctx.pop().__exit__(None, None, None)
         if torch.is_grad_enabled():  # the unit's backward starts when a gradient reaches one of its outputs
+            given = {id(t) for t in tensors(inputs)}  # an input handed back (a norm passed through) is none
             for t in tensors(out):
-                if t.requires_grad and t.grad_fn is not None:
+                if t.requires_grad and t.grad_fn is not None and id(t) not in given:
                     t.register_hook(lambda g, u=u: self._pre_backward(u))
         u.in_forward -= 1
         if not u.in_forward and u.gslot is None:

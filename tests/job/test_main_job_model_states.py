@@ -1,5 +1,6 @@
 """Model-state offload through the main job (``megatron-longctx run``): at CP=2 ring with Megatron's full
-recompute and checkpoint offload on, three steps with ``--longctx-model-state-offload host`` and ``disk``
+recompute, checkpoint offload and the tiled loss with its recompute on (the final norm then runs inside the
+output layer's call, in the output's unit), three steps with ``--longctx-model-state-offload host`` and ``disk``
 give the losses and gradient norms of the same run without it (float32), so DDP's buffers, its gradient
 reduction over the context-parallel ranks and the optimizer's update all see the streamed states; with
 ``disk`` the main job's resume check reloads the checkpoint into the files and reproduces steps 2 and 3.  Step 1
@@ -15,7 +16,8 @@ from tests.job import main_job
 ARGS = ["--num-layers", "2", "--normalization", "RMSNorm", "--swiglu", "--train-iters", "3",
         "--longctx-offload-min-bytes", "0", "--no-baseline",
         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-        "--longctx-offload-policy", "checkpoint", "--longctx-offload-target", "disk"]
+        "--longctx-offload-policy", "checkpoint", "--longctx-offload-target", "disk",
+        "--longctx-tiled-loss-tiles", "2", "--longctx-tiled-loss-recompute"]
 
 
 @pytest.fixture(scope="module")

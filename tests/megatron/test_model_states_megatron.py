@@ -28,7 +28,7 @@ def _same_losses(ref, model, b: dict, tokens: torch.Tensor) -> None:
     assert_close(losses[1], losses[0], rtol=0, atol=0)
 
 
-def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1) -> None:
+def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1, loss_recompute: bool = False) -> None:
     import warnings
 
     from megatron.core.models.gpt import GPTModel
@@ -53,9 +53,13 @@ def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1) 
         if loss_tiles > 1:  # the loss runs inside the output layer's call, where its weights are in a slot
             from megatron_longctx.megatron.tiled_loss import install_tiled_loss
 
-            install_tiled_loss(ref, loss_tiles)
-            install_tiled_loss(model, loss_tiles)
-        units = [model.embedding, *model.decoder.layers, model.output_layer]
+            install_tiled_loss(ref, loss_tiles, loss_recompute)
+            install_tiled_loss(model, loss_tiles, loss_recompute)
+        from megatron_longctx.megatron.features.model_states import _units
+
+        # the units the installer streams; with the loss's recompute the final norm rides in the output's unit
+        units, ref_units = (_units(m, norm_with_output=loss_recompute) for m in (model, ref))
+        assert len(units) == len(model.decoder.layers) + (2 if loss_recompute else 3)
         opts = StreamOptions(target=target, device=torch.device("cpu"), pool=HostPool(1 << 24, pin=False),
                              disk_dir=disk_dir if target == "disk" else None)
         streamer = ModelStateStreamer(units, opts)
@@ -67,23 +71,25 @@ def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1) 
             streamer.check_released()
             peak = max(peak, streamer.peak_resident)
         assert 0 < peak <= streamer.capacity
-        assert streamer.loads >= 2 * 2 * len(units) and streamer.grad_flushes == 2 * len(units)
-        ref_units = [ref.embedding, *ref.decoder.layers, ref.output_layer]
+        assert streamer.loads >= 2 * 2 * len(units) and streamer.grad_flushes == 2 * len(units), (streamer.loads, streamer.grad_flushes, len(units))
         for i, unit in enumerate(ref_units):
-            for p_ref, w, g in zip(unit.parameters(), streamer.unit_weights(i), streamer.unit_grads(i)):
+            params = [p for m in (unit if isinstance(unit, tuple) else (unit,)) for p in m.parameters()]
+            weights, grads = streamer.unit_weights(i), streamer.unit_grads(i)
+            assert len(weights) == len(grads) == len(params)
+            for p_ref, w, g in zip(params, weights, grads):
                 assert_close(w, p_ref.detach(), rtol=0, atol=0)
                 assert_close(g, p_ref.grad, rtol=0, atol=0)
-        for (name, p_ref), p in zip(ref.decoder.final_layernorm.named_parameters(),
-                                    model.decoder.final_layernorm.parameters()):  # not streamed: as before
-            assert_close(p.grad, p_ref.grad, rtol=0, atol=0)
         streamer.remove()
 
 
-@pytest.mark.parametrize("recompute,target,loss_tiles", [(False, "host", 1), (True, "disk", 1), (True, "disk", 3)])
-def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, loss_tiles: int, tmp_path) -> None:
+@pytest.mark.parametrize("recompute,target,loss_tiles,loss_recompute",
+                         [(False, "host", 1, False), (True, "disk", 1, False), (True, "disk", 3, False),
+                          (True, "disk", 3, True), (False, "host", 3, True)])
+def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, loss_tiles: int, loss_recompute: bool,
+                                  tmp_path) -> None:
     from tests.dist import run_ranks
 
-    run_ranks(1, _gpt_body, recompute, target, str(tmp_path), loss_tiles)
+    run_ranks(1, _gpt_body, recompute, target, str(tmp_path), loss_tiles, loss_recompute)
 
 
 # ------------------------------------------------------------------ flags and bad input
@@ -114,10 +120,9 @@ def test_bad_input_names_the_flags_and_the_fix(tmp_path) -> None:
         ModelStateConfig(model_state_slots=1)
     with pytest.raises(ValueError, match=r"--longctx-offload-disk-dir: is only used with .*model-state-offload disk"):
         LongContextConfig.from_flat({"offload_disk_dir": str(tmp_path)})
-    with pytest.raises(ValueError, match=r"--longctx-model-state-offload: 'host' does not go with "
-                                         r"--longctx-tiled-loss-recompute: .*drop --longctx-tiled-loss-recompute"):
-        LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4, "tiled_loss_recompute": True})
-    LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4})  # the tiled loss goes with it
+    for recompute in (False, True):  # the tiled loss goes with it, its recompute too
+        LongContextConfig.from_flat({"model_state_offload": "host", "tiled_loss_tiles": 4,
+                                     "tiled_loss_recompute": recompute})
     for megatron in ({"cpu_offloading": True}, {"cpu_offloading_num_layers": 2}, {"cpu_offloading_weights": True}):
         args = _args("--longctx-model-state-offload", "host")
         vars(args).update(megatron)

@@ -44,8 +44,10 @@ from megatron_longctx.patching import patch
 BRIDGE_OPTIMIZER_MODULES = ("megatron.bridge.training.optim",)
 
 
-def _units(chunk: torch.nn.Module) -> list[Any]:
-    """The units of one (unwrapped) GPT chunk in the order its forward uses them."""
+def _units(chunk: torch.nn.Module, norm_with_output: bool = False) -> list[Any]:
+    """The units of one (unwrapped) GPT chunk in the order its forward uses them.  ``norm_with_output``: the
+    decoder's final norm is in the output layer's unit (the tiled loss with recompute runs it inside the output
+    layer's call, :func:`megatron_longctx.megatron.tiled_loss.install_tiled_loss`)."""
     units: list[Any] = []
     decoder = getattr(chunk, "decoder", None)
     if decoder is None:
@@ -55,14 +57,17 @@ def _units(chunk: torch.nn.Module) -> list[Any]:
     output = getattr(chunk, "output_layer", None) if getattr(chunk, "post_process", False) else None
     tied = (embedding is not None and output is not None and getattr(output, "weight", None) is None
             and getattr(chunk, "share_embeddings_and_output_weights", False))
-    if embedding is not None:
-        units.append((embedding, output) if tied else embedding)
-    units.extend(decoder.layers)
     final_norm = getattr(decoder, "final_layernorm", None)
-    if final_norm is not None and any(True for _ in final_norm.parameters()):
+    if final_norm is not None and not any(True for _ in final_norm.parameters()):
+        final_norm = None
+    merged = norm_with_output and output is not None and final_norm is not None
+    if embedding is not None:
+        units.append((embedding, output, *((final_norm,) if merged else ())) if tied else embedding)
+    units.extend(decoder.layers)
+    if final_norm is not None and not merged:
         units.append(final_norm)
     if output is not None and not tied and any(True for _ in output.parameters()):
-        units.append(output)
+        units.append((final_norm, output) if merged else output)
     if getattr(chunk, "mtp_process", False):
         raise ValueError(f"{FLAG}: multi-token prediction layers are not streamed; drop --mtp-num-layers or the flag")
     return units
@@ -91,7 +96,7 @@ class ModelStatesFeature(Feature):
             raise ValueError(f"{FLAG}: one model chunk per rank is streamed; drop "
                              "--num-layers-per-virtual-pipeline-stage or the flag")
         ddp = wrappers[0] if hasattr(wrappers[0], "zero_grad_buffer") else None
-        units = _units(built.chunks[0])
+        units = _units(built.chunks[0], norm_with_output=mem.tiled_loss_tiles > 1 and mem.tiled_loss_recompute)
         params = [p for u in units for m in (u if isinstance(u, tuple) else (u,)) for p in m.parameters()]
         grad_dtype, group, scale = torch.float32, None, 1.0
         if ddp is not None:
