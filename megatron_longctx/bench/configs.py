@@ -150,22 +150,29 @@ def default_configs(cp: int) -> list[BenchConfig]:
 # streamed per layer from host memory or disk (--longctx-model-state-offload).  They are searched on request
 # (``--configs``/``--max-seq-configs``), and have their own headline (a model whose states are most of the
 # budget, ``--preset llama-states``); the default sweep and headline leave them out.  Their activation
-# features are ring's recompute + checkpoint offload, and the tiled MLP.
+# features: ring's recompute + checkpoint offload (and the tiled MLP), or every feature of allgather+all.
 MODEL_STATE_BASES = {"ring+offload": ("recompute + checkpoint offload", ()),
-                     "ring+offload+mlp": ("recompute + checkpoint offload + tiled MLP", (("tiled_mlp_tiles", 4),))}
+                     "ring+offload+mlp": ("recompute + checkpoint offload + tiled MLP", (("tiled_mlp_tiles", 4),)),
+                     "allgather+all": ("allgather+all's features", None)}  # None: the default row's options
 MODEL_STATE_TARGETS = ("disk", "host")
 
 
 def model_state_configs(cp: int) -> list[BenchConfig]:
     """``<base>+states-<target>`` for each base of :data:`MODEL_STATE_BASES` and each target."""
+    defaults = {c.name: c for c in default_configs(cp)}
     out = []
     for target in MODEL_STATE_TARGETS:
         for base, (what, extra) in MODEL_STATE_BASES.items():
             name = f"{base}+states-{target}"
-            options = (("cp_algorithm", "ring"), ("lean_norm", True)) + offload_options() + extra + (
-                ("model_state_offload", target),)
-            out.append(BenchConfig(name, f"plugin, CP={cp}, ring, {what}; weights, main gradients and Adam moments "
-                                         f"streamed per layer from {target} (--longctx-model-state-offload {target})",
+            if extra is None:
+                options = defaults[base].variant.longctx_options
+            else:
+                options = (("cp_algorithm", "ring"), ("lean_norm", True)) + offload_options() + extra
+            algorithm = dict(options)["cp_algorithm"]
+            options += (("model_state_offload", target),)
+            out.append(BenchConfig(name, f"plugin, CP={cp}, {algorithm}, {what}; weights, main gradients and Adam "
+                                         f"moments streamed per layer from {target} (--longctx-model-state-offload "
+                                         f"{target})",
                                    Variant(name=name, context_parallel_size=cp, plugin=True, longctx_options=options),
                                    min_cp=2))
     return out

@@ -49,13 +49,14 @@ def test_the_budget_counts_the_model_states_and_disk_takes_them_out(tmp_path):
 
 def test_the_rows_and_where_they_run():
     rows = model_state_configs(2)
-    assert [c.name for c in rows] == ["ring+offload+states-disk", "ring+offload+mlp+states-disk",
-                                      "ring+offload+states-host", "ring+offload+mlp+states-host"]
-    offload = {c.name: c for c in default_configs(2)}["ring+offload"].variant.options()
+    assert [c.name for c in rows] == [f"{base}+states-{target}" for target in ("disk", "host")
+                                      for base in ("ring+offload", "ring+offload+mlp", "allgather+all")]
+    defaults = {c.name: c.variant.options() for c in default_configs(2)}
     for c in rows:
         name, target = c.name.rsplit("+states-", 1)
-        mlp = {"tiled_mlp_tiles": 4} if name.endswith("+mlp") else {}
-        assert c.variant.options() == {**offload, **mlp, "model_state_offload": target}
+        base = defaults["allgather+all"] if name == "allgather+all" else {
+            **defaults["ring+offload"], **({"tiled_mlp_tiles": 4} if name.endswith("+mlp") else {})}
+        assert c.variant.options() == {**base, "model_state_offload": target}
         assert streams_model_states(c) and c.variant.context_parallel_size == 2
     assert not any(streams_model_states(c) for c in default_configs(2))  # the default sweep has none
     assert [c.name for c in select(all_configs(2), [DISK])] == ["megatron-unfused", DISK]
