@@ -12,7 +12,8 @@
 4. ``eval`` of the extended checkpoint, the same way.
 
 ``OUTPUT_DIR/extension.json`` holds both evaluations, every command, and each phase's wall time; the table
-compares passkey accuracy per length and the loss per position bin beyond ``--short``, before and after.
+compares passkey retrieval per length (whole keys, and answer digits right: chance is 0.10) and the loss per
+position bin beyond ``--short``, before and after.
 Each phase's output goes to ``OUTPUT_DIR/<phase>.log``; a finished phase (its output folder complete) is
 not run again, and ``extend`` resumes its stage, so the same command continues after an interruption.
 """
@@ -105,10 +106,15 @@ def phases(own: argparse.Namespace, megatron: list[str]) -> list[tuple[str, list
 def report(result: dict[str, Any], short: int) -> str:
     """Passkey accuracy per length and the loss per position bin, before and after extension."""
     before, after = result["eval-before"], result["eval-after"]
-    lines = ["| passkey length | before: retrieved | after: retrieved |", "|---:|---:|---:|"]
+    lines = ["| passkey length | before: retrieved | after: retrieved | before: digits right | after: digits right |",
+             "|---:|---:|---:|---:|---:|"]
+
+    def mean(r: dict, key: str, i: int) -> float:
+        return sum(r["passkey"][key][i]) / len(r["passkey"][key][i])
+
     for i, length in enumerate(before["passkey"]["lengths"]):
-        b, a = (sum(r["passkey"]["accuracy"][i]) / len(r["passkey"]["accuracy"][i]) for r in (before, after))
-        lines.append(f"| {length} | {b:.2f} | {a:.2f} |")
+        lines.append(f"| {length} | {mean(before, 'accuracy', i):.2f} | {mean(after, 'accuracy', i):.2f} | "
+                     f"{mean(before, 'digit_accuracy', i):.2f} | {mean(after, 'digit_accuracy', i):.2f} |")
     lines += ["", "| positions | before: loss | after: loss |", "|---|---:|---:|"]
     for b, a in zip(before["position_loss"]["bins"], after["position_loss"]["bins"]):
         mark = "" if b["start"] >= short else " (within the pretrained length)"

@@ -75,8 +75,8 @@ def position_loss(model: Any, iterator: Any, settings: dict[str, Any]) -> dict[s
     return {"bins": bins, "per_token": per_token, "mean": float(sums.sum() / counts.sum().clamp_min(1))}
 
 
-def _retrieved(model: Any, prompt: passkey.Passkey, device: torch.device) -> bool:
-    """Teacher-forced greedy: every answer token is the argmax of the logits one position before it."""
+def _digits_right(model: Any, prompt: passkey.Passkey, device: torch.device) -> int:
+    """Teacher-forced greedy: how many answer tokens are the argmax of the logits one position before them."""
     from megatron.core import parallel_state
 
     tokens = torch.tensor([prompt.tokens], dtype=torch.long, device=device)  # [1, L]
@@ -91,24 +91,28 @@ def _retrieved(model: Any, prompt: passkey.Passkey, device: torch.device) -> boo
     found = torch.tensor([float((predicted == wanted).sum()), float(asks.sum())], dtype=torch.float64, device=device)
     dist.all_reduce(found, group=parallel_state.get_context_parallel_group())
     assert int(found[1]) == hi - lo, (found, prompt.answer)  # every answer token was asked once
-    return int(found[0]) == hi - lo
+    return int(found[0])
 
 
 def passkey_accuracy(model: Any, settings: dict[str, Any]) -> dict[str, Any]:
     device = next(model.parameters()).device
     lengths, depths, trials = settings["passkey_lengths"], settings["passkey_depths"], settings["passkey_trials"]
-    accuracy, keys = [], []
+    accuracy, digits, keys = [], [], []
     for length in lengths:
-        row = []
+        row, digit_row = [], []
         for depth in depths:
-            hits = 0
+            hits = right = 0
             for trial in range(trials):
                 prompt = passkey.make(length, depth, seed=1000 * trial + 17)
-                hits += _retrieved(model, prompt, device)
+                n = _digits_right(model, prompt, device)
+                hits, right = hits + (n == passkey.DIGITS), right + n
                 keys.append({"length": length, "depth": depth, "key": prompt.key})
             row.append(hits / trials)
+            digit_row.append(right / (trials * passkey.DIGITS))
         accuracy.append(row)
-    return {"lengths": lengths, "depths": depths, "trials": trials, "accuracy": accuracy, "keys": keys}
+        digits.append(digit_row)
+    return {"lengths": lengths, "depths": depths, "trials": trials, "accuracy": accuracy, "digit_accuracy": digits,
+            "keys": keys}
 
 
 def _peaks() -> list[int]:

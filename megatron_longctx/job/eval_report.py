@@ -17,6 +17,9 @@ def table(result: dict[str, Any]) -> str:
               f"{'length':>8}  " + "  ".join(f"{d:>6.2f}" for d in pk["depths"])]
     for length, row in zip(pk["lengths"], pk["accuracy"]):
         lines.append(f"{length:>8}  " + "  ".join(f"{a:>6.2f}" for a in row))
+    lines += ["", f"answer digits right (of {pk['trials']} x 5 per cell; chance 0.10)"]
+    for length, row in zip(pk["lengths"], pk["digit_accuracy"]):
+        lines.append(f"{length:>8}  " + "  ".join(f"{a:>6.2f}" for a in row))
     if "peak_mem_bytes_per_rank" in result:
         peaks = "/".join(f"{p / 2**20:.0f}" for p in result["peak_mem_bytes_per_rank"])
         lines += ["", f"forward passes {result['seconds']:.0f} s; peak MiB per rank {peaks}"]

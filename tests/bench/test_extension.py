@@ -42,15 +42,16 @@ def test_ntk_base_spans_the_long_length_with_the_lowest_frequency():
 
 def _eval(losses, accuracy):
     bins = [{"start": 256 * i, "end": 256 * (i + 1), "tokens": 100, "loss": loss} for i, loss in enumerate(losses)]
+    digits = [[0.6 * a + 0.2 for a in row] for row in accuracy]
     return {"position_loss": {"bins": bins}, "passkey": {"lengths": [256, 1024], "depths": [0.0, 1.0],
-                                                         "accuracy": accuracy}}
+                                                         "accuracy": accuracy, "digit_accuracy": digits}}
 
 
 def test_report_compares_accuracy_per_length_and_the_loss_beyond_the_short_length():
     result = {"eval-before": _eval([3.0, 4.0, 5.0, 6.0], [[1.0, 0.0], [0.0, 0.0]]),
               "eval-after": _eval([2.5, 3.0, 3.5, 4.5], [[1.0, 1.0], [0.5, 0.0]])}
     table = extension.report(result, 256)
-    assert "| 256 | 0.50 | 1.00 |" in table and "| 1024 | 0.00 | 0.25 |" in table
+    assert "| 256 | 0.50 | 1.00 | 0.50 | 0.80 |" in table and "| 1024 | 0.00 | 0.25 | 0.20 | 0.35 |" in table
     assert "| 0-256 (within the pretrained length) | 3.0000 | 2.5000 |" in table
     assert "| 256-512 | 4.0000 | 3.0000 |" in table
     assert "| beyond 256 (token-weighted) | 5.0000 | 3.6667 |" in table

@@ -41,6 +41,9 @@ def test_eval_under_cp_equals_megatrons_own_forward_per_token(source):
     torch.testing.assert_close(torch.tensor(a["per_token"], dtype=torch.float64),
                                torch.tensor(b["per_token"], dtype=torch.float64), rtol=1e-5, atol=1e-6)
     assert plugin["passkey"]["accuracy"] == base["passkey"]["accuracy"]
+    assert plugin["passkey"]["digit_accuracy"] == base["passkey"]["digit_accuracy"]
+    for row, digit_row in zip(plugin["passkey"]["accuracy"], plugin["passkey"]["digit_accuracy"]):
+        assert all(0 <= a <= d <= 1 for a, d in zip(row, digit_row))  # a retrieved key has all its digits right
     assert len(plugin["peak_mem_bytes_per_rank"]) == 2 and min(plugin["peak_mem_bytes_per_rank"]) > 0
     assert plugin["seconds"] > 0
     # the memory features (tiled MLP and loss, Megatron's full recompute run by the plugin) change nothing
