@@ -168,30 +168,32 @@ class ModelStateStreamer(OffDeviceStore):
     def _install_hooks(self) -> None:
         for u in self.units:
             for m in u.modules:
-                self._handles.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u)))
+                self._handles.append(m.register_forward_pre_hook(
+                    lambda _m, args, kwargs, u=u: self._pre_forward(u, (args, kwargs)), with_kwargs=True))
                 self._handles.append(m.register_forward_hook(  # also when forward raises: the packer leaves
-                    lambda _m, args, kwargs, out, u=u: self._post_forward(u, (args, kwargs), out),
-                    with_kwargs=True, always_call=True))
+                    lambda _m, _a, out, u=u: self._post_forward(u, out), always_call=True))
             for p in u.params:
                 if p.goffset >= 0:
                     self._handles.append(p.param.register_post_accumulate_grad_hook(
                         lambda param, u=u: self._grad_ready(u, param)))
 
-    def _pre_forward(self, u: Unit) -> None:
+    def _pre_forward(self, u: Unit, inputs: tuple) -> None:
         self._load(u)
         # the next unit in this pass: a recompute inside backward walks the units backwards
         self._prefetch(u.index - 1 if torch._C._current_graph_task_id() >= 0 else u.index + 1)
         u.in_forward += 1
         ctx = hooks.packing(_SlotViewPacker(self))
         ctx.__enter__()
-        self._forward_ctx.append(ctx)
+        # the inputs' autograd nodes: an input handed back untouched (a norm passed through) is no output of
+        # the unit's weights; one written in place (an output over its input) has a new node
+        self._forward_ctx.append((ctx, {id(t): t.grad_fn for t in tensors(inputs)}))
 
-    def _post_forward(self, u: Unit, inputs: tuple, out: Any) -> None:
-        self._forward_ctx.pop().__exit__(None, None, None)
+    def _post_forward(self, u: Unit, out: Any) -> None:
+        ctx, given = self._forward_ctx.pop()
+        ctx.__exit__(None, None, None)
         if torch.is_grad_enabled():  # the unit's backward starts when a gradient reaches one of its outputs
-            given = {id(t) for t in tensors(inputs)}  # an input handed back (a norm passed through) is none
             for t in tensors(out):
-                if t.requires_grad and t.grad_fn is not None and id(t) not in given:
+                if t.requires_grad and t.grad_fn is not None and given.get(id(t), object()) is not t.grad_fn:
                     t.register_hook(lambda g, u=u: self._pre_backward(u))
         u.in_forward -= 1
         if not u.in_forward and u.gslot is None:
@@ -341,7 +343,7 @@ class ModelStateStreamer(OffDeviceStore):
 
     def remove(self) -> None:
         while self._forward_ctx:  # a forward that never reached its post hook
-            self._forward_ctx.pop().__exit__(None, None, None)
+            self._forward_ctx.pop()[0].__exit__(None, None, None)
         while self._handles:
             self._handles.pop().remove()
         if self.run_dir is not None:

@@ -85,6 +85,68 @@ def test_outputs_and_grads_bit_for_bit(target: str, recompute: bool, tmp_path) -
     streamer.remove()
 
 
+class Shift(torch.nn.Module):
+    """Adds its bias into its input in place and hands the input back: the output is the input object."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(self.bias)
+
+
+class Through(torch.nn.Module):
+    """A norm whose call passes its input through (its weight is used by the head's call, as the tiled loss's
+    recompute does with the final norm)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class ShiftStack(Stack):
+    def __init__(self) -> None:
+        super().__init__(n=2)
+        self.shift, self.through = Shift(16), Through(16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[1](self.shift(self.blocks[0](self.embed(tokens))))
+        return self.head(self.through(x) * self.through.weight)
+
+    def units(self) -> list:
+        return [self.embed, self.blocks[0], self.shift, self.blocks[1], (self.through, self.head)]
+
+
+def test_an_output_over_its_input_starts_the_units_backward_and_a_passed_input_does_not(tmp_path) -> None:
+    """A unit whose output is its input written in place (the tiled replay's output over its input) gets its
+    gradients; a module handing its input back untouched does not start its unit's backward a second time
+    (one gradient flush per unit and micro-batch)."""
+    torch.manual_seed(1)
+    ref = ShiftStack()
+    model = copy.deepcopy(ref)
+    streamer = _streamer(model, "host", tmp_path)
+    for step in range(2):
+        tokens = torch.randint(0, 32, (2, 8))
+        want = _loss(ref, tokens)
+        want.backward()
+        got = _loss(model, tokens)
+        assert_close(got, want, rtol=0, atol=0)
+        got.backward()
+        streamer.finish_backward()
+        streamer.check_released()
+        assert streamer.grad_flushes == (step + 1) * len(model.units())
+    for i, unit in enumerate(ref.units()):
+        params = [p for m in (unit if isinstance(unit, tuple) else (unit,)) for p in m.parameters()]
+        for p_ref, w, g in zip(params, streamer.unit_weights(i), streamer.unit_grads(i)):
+            assert_close(w, p_ref.detach(), rtol=0, atol=0)
+            assert_close(g, p_ref.grad, rtol=0, atol=0)
+    streamer.remove()
+
+
 @pytest.mark.parametrize("target", ["host", "disk"])
 def test_scale_grads_scales_the_accumulators(target: str, tmp_path) -> None:
     """Megatron's ``scale_gradients`` (per-token loss) reaches the off-device accumulators."""
@@ -260,7 +322,7 @@ def test_check_released_fails_when_weights_stay(tmp_path) -> None:
     torch.manual_seed(0)
     model = Stack()
     streamer = _streamer(model, "host", tmp_path)
-    streamer._pre_forward(streamer.units[1])  # a forward that never finished: its weights stay in the slot
+    streamer._pre_forward(streamer.units[1], ((), {}))  # a forward that never finished: its weights stay in the slot
     with pytest.raises(AssertionError, match=r"units \[1, 2\] still hold device slots"):  # 2: its prefetch
         streamer.check_released()
     streamer.remove()
