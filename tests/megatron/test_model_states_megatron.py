@@ -36,6 +36,7 @@ def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1, 
 
     from tests.dist import megatron_parallel
     from tests.gpt_kit import SEQ, VOCAB, batch, cpu, local_spec, tiny_config
+    from tests.memory.test_model_states import same_states
 
     extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
         if recompute else {}
@@ -71,14 +72,9 @@ def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1, 
             streamer.check_released()
             peak = max(peak, streamer.peak_resident)
         assert 0 < peak <= streamer.capacity
-        assert streamer.loads >= 2 * 2 * len(units) and streamer.grad_flushes == 2 * len(units), (streamer.loads, streamer.grad_flushes, len(units))
-        for i, unit in enumerate(ref_units):
-            params = [p for m in (unit if isinstance(unit, tuple) else (unit,)) for p in m.parameters()]
-            weights, grads = streamer.unit_weights(i), streamer.unit_grads(i)
-            assert len(weights) == len(grads) == len(params)
-            for p_ref, w, g in zip(params, weights, grads):
-                assert_close(w, p_ref.detach(), rtol=0, atol=0)
-                assert_close(g, p_ref.grad, rtol=0, atol=0)
+        assert streamer.loads >= 2 * 2 * len(units) and streamer.grad_flushes == 2 * len(units), \
+            (streamer.loads, streamer.grad_flushes, len(units))
+        same_states(ref_units, streamer)
         streamer.remove()
 
 

@@ -57,9 +57,32 @@ def _streamer(model: Stack, target: str, tmp_path, pool_bytes: int = 1 << 24) ->
     return ModelStateStreamer(model.units(), opts)
 
 
+def same_states(ref_units: list, streamer: ModelStateStreamer) -> None:
+    """Each unit's off-device weights and gradients equal the reference's parameters and their ``.grad``, bit
+    for bit (a unit is a module or a tuple of them)."""
+    for i, unit in enumerate(ref_units):
+        params = [p for m in (unit if isinstance(unit, tuple) else (unit,)) for p in m.parameters()]
+        weights, grads = streamer.unit_weights(i), streamer.unit_grads(i)
+        assert len(weights) == len(grads) == len(params)
+        for p_ref, w, g in zip(params, weights, grads):
+            assert_close(w, p_ref.detach(), rtol=0, atol=0)
+            assert_close(g, p_ref.grad, rtol=0, atol=0)
+
+
 def _loss(model: Stack, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+
+def _micro_batch(ref: Stack, model: Stack, streamer: ModelStateStreamer, tokens: torch.Tensor) -> None:
+    """One micro-batch's forward and backward through both: the same loss, every slot released after."""
+    want = _loss(ref, tokens)
+    want.backward()
+    got = _loss(model, tokens)
+    assert_close(got, want, rtol=0, atol=0)
+    got.backward()
+    streamer.finish_backward()
+    streamer.check_released()
 
 
 @pytest.mark.parametrize("target", ["host", "disk"])
@@ -71,17 +94,8 @@ def test_outputs_and_grads_bit_for_bit(target: str, recompute: bool, tmp_path) -
     streamer = _streamer(model, target, tmp_path)
     batches = [torch.randint(0, 32, (2, 8)) for _ in range(3)]  # three micro-batches, accumulated
     for tokens in batches:
-        want = _loss(ref, tokens)
-        want.backward()
-        got = _loss(model, tokens)
-        assert_close(got, want, rtol=0, atol=0)
-        got.backward()
-        streamer.finish_backward()
-        streamer.check_released()
-    for i, unit in enumerate(ref.units()):
-        for p_ref, w, g in zip(unit.parameters(), streamer.unit_weights(i), streamer.unit_grads(i)):
-            assert_close(w, p_ref.detach(), rtol=0, atol=0)
-            assert_close(g, p_ref.grad, rtol=0, atol=0)
+        _micro_batch(ref, model, streamer, tokens)
+    same_states(ref.units(), streamer)
     streamer.remove()
 
 
@@ -130,20 +144,9 @@ def test_an_output_over_its_input_starts_the_units_backward_and_a_passed_input_d
     model = copy.deepcopy(ref)
     streamer = _streamer(model, "host", tmp_path)
     for step in range(2):
-        tokens = torch.randint(0, 32, (2, 8))
-        want = _loss(ref, tokens)
-        want.backward()
-        got = _loss(model, tokens)
-        assert_close(got, want, rtol=0, atol=0)
-        got.backward()
-        streamer.finish_backward()
-        streamer.check_released()
+        _micro_batch(ref, model, streamer, torch.randint(0, 32, (2, 8)))
         assert streamer.grad_flushes == (step + 1) * len(model.units())
-    for i, unit in enumerate(ref.units()):
-        params = [p for m in (unit if isinstance(unit, tuple) else (unit,)) for p in m.parameters()]
-        for p_ref, w, g in zip(params, streamer.unit_weights(i), streamer.unit_grads(i)):
-            assert_close(w, p_ref.detach(), rtol=0, atol=0)
-            assert_close(g, p_ref.grad, rtol=0, atol=0)
+    same_states(ref.units(), streamer)
     streamer.remove()
 
 
