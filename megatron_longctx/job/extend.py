@@ -198,6 +198,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError("--plan-model and --plan-gpus go together (the planner lays out a model on GPUs)")
         if own.plan_model is not None and own.context_parallel_size is not None:
             raise ValueError("--context-parallel-size with --plan-model: the planner chooses CP per stage; drop one")
+        for number, stage in enumerate(stages, 1):  # the mixes, before Megatron is imported for the rest
+            if stage.mix is not None and own.plan_model is None:  # (the planner's CP: in the runs' checks)
+                mix_mod.check(stage.mix, stage.length, own.context_parallel_size or own.nproc_per_node,
+                              flag=f"--stages {own.stages!r}: stage {number} mixes")
         for index in range(len(stages)):  # every stage's run checked as `run` will check it, before any runs
             check_stage(stage_argv(own, megatron_argv, index, stages, bases[index])[0],
                         f"--stages {own.stages!r}: stage {index + 1} ({stages[index].length} tokens)")

@@ -75,7 +75,7 @@ def test_bad_stage_lists_are_refused_naming_the_flag(tmp_path, capsys, flags, na
     (["--stages", "8K:2,1M:1", "--plan-model", "llama3-8b", "--plan-gpus", "8", "--plan-gpu", "h200",
       "--nproc-per-node", "3"], "stage 1 (8192 tokens): --global-batch-size 8 must be a multiple of"),
     (["--stages", "8K:2,16K:2@1001:0.5", "--nproc-per-node", "2"],
-     "stage 2 (16384 tokens): --mix-short 1001:0.5: the short length must be a multiple of 2 x"),
+     "stage 2 mixes 1001:0.5: the short length must be a multiple of 2 x"),
     (["--stages", "8K:2,16K:2", "--nproc-per-node", "2", "--num-attention-heads", "3"],
      "stage 1 (8192 tokens): --hidden-size"),
 ])
