@@ -118,13 +118,10 @@ def planned_flags(own: argparse.Namespace, length: int) -> tuple[list[str], str]
 def check_stage(run_argv: list[str], where: str) -> None:
     """``megatron-longctx run``'s checks of one stage's command line (the planner's layout, its length, its mix):
     ``ValueError`` saying which stage and the run's own message."""
-    from megatron_longctx.job import command_line, pretrain
+    from megatron_longctx.job import pretrain
 
-    run_own, megatron_argv = pretrain.build_parser().parse_known_args(run_argv)
     try:
-        job = command_line.Job.from_argv(megatron_argv, run_own)
-        mix_mod.check(None if run_own.mix_short is None else mix_mod.parse(run_own.mix_short),
-                      job.values.seq_length, job.context_parallel_size)
+        pretrain.checked_job(*pretrain.build_parser().parse_known_args(run_argv))
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 

@@ -162,10 +162,17 @@ def _resume_check(job: command_line.Job, own: argparse.Namespace, plugin_rows: l
     return result
 
 
-def run_job(own: argparse.Namespace, megatron_argv: list[str]) -> int:
+def checked_job(own: argparse.Namespace, megatron_argv: list[str]) -> tuple[command_line.Job, Optional[mix_mod.Mix]]:
+    """The job and its mix of short batches, checked as the run checks them before any rank starts
+    (``ValueError`` naming the flag): what ``extend`` asks of every stage before the first one runs."""
     job = command_line.Job.from_argv(megatron_argv, own)
     mix = None if own.mix_short is None else mix_mod.parse(own.mix_short)
     mix_mod.check(mix, job.values.seq_length, job.context_parallel_size)
+    return job, mix
+
+
+def run_job(own: argparse.Namespace, megatron_argv: list[str]) -> int:
+    job, mix = checked_job(own, megatron_argv)
     os.makedirs(own.output_dir, exist_ok=True)
     for note in _prepare_checkpoints(job, own):
         print(f"megatron-longctx run: {note}", flush=True)
