@@ -1,6 +1,6 @@
 """``megatron-longctx bench extension``: context extension measured end to end, as a user runs it.
 
-    megatron-longctx bench extension [--short 1024] [--long 16384] [--pretrain-steps 1500] [--extend-steps 60] \\
+    megatron-longctx bench extension [--short 1024] [--long 16384] [--pretrain-steps 2000] [--extend-steps 60] \\
         [--output-dir runs/extension] [Megatron flags for every phase, e.g. --hidden-size 128]
 
 1. ``run``: a model pretrained at ``--short`` tokens (CP=1, the ranks data-parallel) on the byte corpus with
@@ -14,8 +14,8 @@
 ``OUTPUT_DIR/extension.json`` holds both evaluations, every command, and each phase's wall time; the table
 compares passkey retrieval per length (whole keys, and answer digits right: chance is 0.10) and the loss per
 position bin beyond ``--short``, before and after.
-Each phase's output goes to ``OUTPUT_DIR/<phase>.log``; a finished phase (its output folder complete) is
-not run again, and ``extend`` resumes its stage, so the same command continues after an interruption.
+Each phase's output goes to ``OUTPUT_DIR/<phase>.log``; a finished phase (its summary.json or eval.json
+written) is not run again, and ``extend`` resumes its stage, so the same command continues after an interruption.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--short", type=int, default=1024, help="pretraining length (tokens)")
     p.add_argument("--long", type=int, default=16384, help="the extended length (tokens)")
-    p.add_argument("--pretrain-steps", type=int, default=1500)
+    p.add_argument("--pretrain-steps", type=int, default=2000)
     p.add_argument("--pretrain-batch", type=int, default=8, help="global batch (sequences) when pretraining")
     p.add_argument("--pretrain-passkeys", type=int, default=3000, help="passkey prompts in the pretraining corpus")
     p.add_argument("--extend-steps", type=int, default=60)
