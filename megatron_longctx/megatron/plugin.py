@@ -10,6 +10,7 @@ benchmark engine all build through it (:func:`build_model`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, Optional
 
@@ -151,8 +152,12 @@ class LongContextPlugin:
     def build(self, build: Callable[[Any, dict[str, Any]], Any], config: Any, specs: dict[str, Any],
               who: str = "megatron-longctx") -> Any:
         """Build a model with the plugin in it: every spec through :meth:`spec` (``None`` passed through),
-        ``build(model_config(config), specs)``, then :meth:`install_and_report` on what it returns."""
+        ``build(model_config(config), specs)`` inside each feature's :meth:`Feature.building` context, then
+        :meth:`install_and_report` on what it returns."""
         specs = {name: None if spec is None else self.spec(spec, require=False) for name, spec in specs.items()}
-        model = build(self.model_config(config), specs)
+        with contextlib.ExitStack() as stack:
+            for feature in self.features:
+                stack.enter_context(feature.building(self.cfg))
+            model = build(self.model_config(config), specs)
         self.install_and_report(model, who)
         return model

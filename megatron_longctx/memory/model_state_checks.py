@@ -28,6 +28,10 @@ def check_disk_step(values: dict) -> None:
     if low:
         raise ValueError(f"{FLAG} disk steps float32 parameters unit by unit; with {low[0]} Megatron keeps fp32 "
                          f"master copies of every weight on the host: use {FLAG} host, or drop {low[0]}")
+    if values.get("data_parallel_random_init"):
+        raise ValueError(f"{FLAG} disk: --data-parallel-random-init broadcasts every weight after the build, and "
+                         "each layer's weights are in their file by then; drop --data-parallel-random-init or use "
+                         f"{FLAG} host")
     if values.get("log_num_zeros_in_grad"):
         raise ValueError(f"{FLAG} disk: --log-num-zeros-in-grad would count zeros over every gradient at once; "
                          "drop --log-num-zeros-in-grad")

@@ -18,10 +18,55 @@ from megatron_longctx.memory.model_state_units import Unit, view
 from megatron_longctx.memory.offload_disk import DiskOffloadError, RunDir, read_file, write_file
 
 FLAG = "--longctx-model-state-offload"
+STASHED = "_longctx_stashed_weights"  # a module's attribute: its weights were written out as it was built
 
 
 class ModelStateError(RuntimeError):
     """The model states cannot be placed or moved (the message names the flag, what and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stashed:
+    """Where :func:`stash_weights` wrote a module's weights, in the layout of the unit the module becomes."""
+
+    run_dir: RunDir
+    path: str
+    params: tuple  # ids of the module's parameters, in the unit's order
+    nbytes: int
+
+
+def placeholder(param: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    """A one-element tensor expanded to ``param``'s shape: what a parameter holds while its values are in a
+    file (its shape, dtype and element count stay what Megatron reads)."""
+    return torch.zeros(1, dtype=param.dtype, device=device or param.device).expand(param.shape)
+
+
+def stash_weights(module: torch.nn.Module, run_dir: RunDir, name: str) -> None:
+    """Write ``module``'s weights to a file under ``run_dir`` as the ``disk`` target lays out a unit, and leave
+    :func:`placeholder` in its parameters, so that a model is never whole in memory while it is built: the
+    :class:`OffDeviceStore` over it later takes the file as the unit's own (``module`` must be a unit by
+    itself, e.g. a transformer layer)."""
+    u = Unit(-1, module, None)
+    data = torch.zeros(u.nbytes, dtype=torch.uint8)
+    for p in u.params:
+        src = p.param.data.reshape(-1).view(torch.uint8)
+        data[p.offset:p.offset + src.numel()].copy_(src)
+    path = os.path.join(run_dir.path, f"{name}.w")
+    _write_or_explain(data, path, f"{name}'s weights")
+    for p in u.params:
+        p.param.data = placeholder(p.param)
+    setattr(module, STASHED, Stashed(run_dir, path, tuple(id(p.param) for p in u.params), u.nbytes))
+
+
+def _write_or_explain(data: torch.Tensor, path: str, what: str) -> None:
+    try:
+        write_file(data.cpu() if data.device.type != "cpu" else data, path)
+    except DiskOffloadError as exc:
+        code = errno.errorcode.get(exc.errno or 0, "EIO")
+        raise ModelStateError(
+            f"{FLAG} disk: writing {what} ({data.numel()} bytes) to {path} failed: {code} ({os.strerror(exc.errno or errno.EIO)}); "
+            f"free space under {os.path.dirname(path)}, point --longctx-offload-disk-dir at a larger disk, "
+            f"or use {FLAG} host") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,36 +127,50 @@ class OffDeviceStore:
     def _place_off_device(self) -> None:
         if self.opts.target == "disk":  # one staging buffer for the largest unit (weights or gradients)
             self._staging = self._take(max(max(u.nbytes, u.gbytes) for u in self.units), "the disk staging buffer")
+        stash_dirs = {}
         for u in self.units:
             if self.opts.target == "host":
                 u.host = self._take(u.nbytes, f"unit {u.index}'s weights")
             if u.gbytes and (self.opts.target == "host" or u.index in self.opts.host_grad_units):
                 u.ghost = self._take(u.gbytes, f"unit {u.index}'s gradients")
                 u.ghost.zero_()
-            for p in u.params:
-                src = p.param.data.reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes
-                if u.host is not None:
-                    u.host[p.offset:p.offset + src.numel()].copy_(src)
-                else:
-                    assert self._staging is not None
-                    self._staging[p.offset:p.offset + src.numel()].copy_(src)
             if self.opts.target == "disk":
-                assert self.run_dir is not None and self._staging is not None
+                assert self.run_dir is not None
                 u.path = os.path.join(self.run_dir.path, f"unit{u.index}.w")
                 if u.ghost is None:
                     u.gpath = os.path.join(self.run_dir.path, f"unit{u.index}.g")
-                self._write(self._staging[:u.nbytes], u.path, f"unit {u.index}'s weights")
+            stashed = self._stashed(u)
+            if stashed is not None:  # written as the model was built: the file is the unit's
+                stash_dirs[id(stashed.run_dir)] = stashed.run_dir
+                if u.host is not None:
+                    read_file(stashed.path, u.nbytes, 0, u.host)
+                    os.remove(stashed.path)
+                else:
+                    os.replace(stashed.path, u.path)
+                delattr(u.module, STASHED)
+            else:
+                dst = u.host if u.host is not None else self._staging
+                assert dst is not None
+                for p in u.params:
+                    src = p.param.data.reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes
+                    dst[p.offset:p.offset + src.numel()].copy_(src)
+                if u.path is not None:
+                    self._write(dst[:u.nbytes], u.path, f"unit {u.index}'s weights")
             self._point_off_device(u)
+        for run_dir in stash_dirs.values():  # every file taken: the build's directory goes
+            if not any(name.endswith(".w") for name in os.listdir(run_dir.path)):
+                run_dir.remove()
+
+    def _stashed(self, u: Unit) -> Optional[Stashed]:
+        stashed = getattr(u.module, STASHED, None) if len(u.modules) == 1 else None
+        if stashed is not None and (stashed.params != tuple(id(p.param) for p in u.params)
+                                    or stashed.nbytes != u.nbytes):
+            raise ModelStateError(f"{FLAG}: unit {u.index}'s parameters changed after its weights were written "
+                                  f"to {stashed.path} as the model was built")
+        return stashed
 
     def _write(self, data: torch.Tensor, path: str, what: str) -> None:
-        try:
-            write_file(data.cpu() if data.device.type != "cpu" else data, path)
-        except DiskOffloadError as exc:
-            code = errno.errorcode.get(exc.errno or 0, "EIO")
-            raise ModelStateError(
-                f"{FLAG} disk: writing {what} ({data.numel()} bytes) to {path} failed: {code} ({os.strerror(exc.errno or errno.EIO)}); "
-                f"free space under {os.path.dirname(path)}, point --longctx-offload-disk-dir at a larger disk, "
-                f"or use {FLAG} host") from exc
+        _write_or_explain(data, path, what)
 
     def _point_off_device(self, u: Unit) -> None:
         """Parameters between uses: views of the host copy (``host``); for ``disk`` a one-element
@@ -121,7 +180,7 @@ class OffDeviceStore:
             if u.host is not None:
                 p.param.data = view(u.host, p.offset, p.dtype, p.shape)
             else:
-                p.param.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)
+                p.param.data = placeholder(p.param, torch.device("cpu"))
             if p.goffset >= 0:
                 p.param.main_grad = None if u.ghost is None else view(u.ghost, p.goffset, p.grad_dtype, p.shape)
 

@@ -88,6 +88,73 @@ def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, loss_tiles: int,
     run_ranks(1, _gpt_body, recompute, target, str(tmp_path), loss_tiles, loss_recompute)
 
 
+def _built_on_disk_body(disk_dir: str) -> None:
+    import warnings
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_longctx.config import LongContextConfig
+    from megatron_longctx.megatron.features.base import Built
+    from megatron_longctx.megatron.features.model_states import FEATURE, _units, _unbacked_grad_buffers
+    from megatron_longctx.memory.model_state_store import STASHED
+    from tests.dist import megatron_parallel
+    from tests.gpt_kit import SEQ, VOCAB, batch, cpu, local_spec, tiny_config
+    from tests.memory.test_model_states import same_states
+
+    cfg = LongContextConfig.from_flat({"model_state_offload": "disk", "offload_disk_dir": disk_dir})
+    with cpu(), megatron_parallel():
+        def build():
+            torch.manual_seed(3)
+            model_parallel_cuda_manual_seed(3)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return GPTModel(tiny_config(num_layers=3), local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                                position_embedding_type="rope", share_embeddings_and_output_weights=False)
+
+        ref = build()
+        with FEATURE.building(cfg):
+            model = build()
+        # every layer's weights went to their file as it was built: no layer holds them in memory
+        files = []
+        for layer in model.decoder.layers:
+            stashed = getattr(layer, STASHED)
+            assert os.path.getsize(stashed.path) == stashed.nbytes > 0
+            assert all(p.untyped_storage().nbytes() == p.element_size() for p in layer.parameters())
+            files.append(stashed.path)
+        assert len(set(files)) == len(model.decoder.layers)
+        assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.embedding.parameters())
+
+        undo = _unbacked_grad_buffers(model)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        for p in undo:
+            p.undo()
+        assert ddp.buffers and all(b.grad_data.is_meta for b in ddp.buffers)  # laid out, no memory behind them
+        installed = FEATURE.install(Built.of([ddp]), cfg)
+        streamer = installed.streamer
+        assert all(b.grad_data is None for b in ddp.buffers)
+        assert not any(os.path.exists(f) for f in files) and not os.path.exists(os.path.dirname(files[0]))
+        for step in range(2):  # two micro-batches, accumulated
+            b = batch(seed=step)
+            _same_losses(ref, ddp, b, b["loss_mask"].sum())
+            ddp.finish_grad_sync()
+            streamer.check_released()
+        same_states(_units(ref), streamer)
+        for undo_patch in reversed(installed.patches):
+            undo_patch()
+        streamer.remove()
+
+
+def test_disk_builds_each_layer_into_its_file_and_ddp_buffers_hold_nothing(tmp_path) -> None:
+    """With ``disk`` a model is never whole in memory: each layer's weights are written to their file as Megatron
+    builds the layer, DDP's gradient buffers are laid out without memory, and the streamer takes the files as
+    its units' own; two micro-batches then equal the model built and trained without it, bit for bit."""
+    from tests.dist import run_ranks
+
+    run_ranks(1, _built_on_disk_body, str(tmp_path))
+
+
 # ------------------------------------------------------------------ flags and bad input
 def _args(*argv: str):
     import argparse

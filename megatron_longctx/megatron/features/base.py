@@ -8,6 +8,7 @@ again.  :class:`Built` is the built model as every installer sees it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Iterable, Optional
 
@@ -70,6 +71,11 @@ class Feature:
 
     def model_config(self, config: Any, cfg: LongContextConfig) -> Any:
         return config
+
+    def building(self, cfg: LongContextConfig) -> contextlib.AbstractContextManager:
+        """A context the model is built in (:meth:`LongContextPlugin.build`), for a feature that acts as each
+        module is constructed."""
+        return contextlib.nullcontext()
 
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
         raise NotImplementedError

@@ -17,7 +17,10 @@ then point at the off-device copy between uses, so what DDP and Megatron's optim
   written back after the step.
 
 ``install_and_report`` calls :meth:`ModelStatesFeature.defer` on the bare model the provider returns; the
-install happens when Megatron builds the optimizer over the DDP-wrapped chunks.
+install happens when Megatron builds the optimizer over the DDP-wrapped chunks.  Until then no rank holds
+all of the states at once: with ``disk`` each transformer layer's weights go to their file as the layer is
+built (:meth:`ModelStatesFeature.building`), and DDP's gradient buffers, which the streamer replaces, are
+laid out without memory behind them (:func:`_unbacked_grad_buffers`).
 """
 
 from __future__ import annotations
@@ -27,15 +30,16 @@ import contextlib
 import functools
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from megatron_longctx.config import LongContextConfig
 from megatron_longctx.megatron.features.base import Built, Feature, Installed, unwrap
 from megatron_longctx.memory.host_pool import HostPool
-from megatron_longctx.memory.offload_disk import default_root
-from megatron_longctx.memory.model_states import FLAG, ModelStateStreamer, StreamOptions
+from megatron_longctx.memory.offload_disk import RunDir, default_root
+from megatron_longctx.memory.model_state_store import stash_weights
+from megatron_longctx.memory.model_states import FLAG, ModelStateError, ModelStateStreamer, StreamOptions
 from megatron_longctx.patching import patch
 
 
@@ -83,6 +87,38 @@ class ModelStatesFeature(Feature):
 
     def enabled(self, cfg: LongContextConfig) -> bool:
         return cfg.model_states.enabled
+
+    @contextlib.contextmanager
+    def building(self, cfg: LongContextConfig) -> Iterator[None]:
+        """With ``disk``: each transformer layer's weights are written to a file as Megatron's block builds the
+        layer, and the layer keeps placeholders (:func:`~megatron_longctx.memory.model_state_store.stash_weights`);
+        the streamer takes the files as its units' own at install."""
+        if cfg.model_states.model_state_offload != "disk":
+            yield
+            return
+        import megatron.core.transformer.transformer_block as block
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        run_dir = RunDir(os.path.join(default_root(cfg.memory), "model-states"))
+        stashed = 0
+
+        def build_module(original: Callable[..., Any], spec: Any, *args: Any, **kwargs: Any) -> Any:
+            nonlocal stashed
+            module = original(spec, *args, **kwargs)
+            if isinstance(module, TransformerLayer):
+                stash_weights(module, run_dir, f"layer{stashed}")
+                stashed += 1
+            return module
+
+        with patch(block, "build_module", functools.partial(build_module, block.build_module),
+                   reason=f"{FLAG} disk: each layer's weights to its file as the layer is built"):
+            try:
+                yield
+            except BaseException:
+                run_dir.remove()
+                raise
+        if not stashed:
+            run_dir.remove()
 
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
         ms, mem = cfg.model_states, cfg.memory
@@ -151,7 +187,7 @@ class ModelStatesFeature(Feature):
         import megatron.training.training as training
 
         builders = [training] + [sys.modules[name] for name in BRIDGE_OPTIMIZER_MODULES if name in sys.modules]
-        patches: list = []
+        patches: list = _unbacked_grad_buffers(model)
 
         def build(original: Callable[..., Any], config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
             for p in patches:
@@ -175,6 +211,43 @@ class ModelStatesFeature(Feature):
         self.pending = patches
 
 
+class _ZerosOnMeta(torch.overrides.TorchFunctionMode):
+    """``torch.zeros`` on the meta device: a tensor with shape and dtype but no memory."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.zeros:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def _unbacked_grad_buffers(model: Any) -> list:
+    """Until the streamer is installed: DDP's gradient buffers for ``model``'s parameters (a main gradient
+    for every weight, which the streamer replaces with its off-device accumulators and frees) are laid out
+    on the meta device, so they never hold memory.  Not for a model with expert-parallel parameters (DDP
+    keeps and reduces those buffers itself) or the distributed optimizer (refused at install)."""
+    chunks = unwrap(model)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    if any(not getattr(p, "allreduce", True) for p in params):
+        return []
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+
+    mine = {id(p) for p in params}
+    original = buffers._ParamAndGradBuffer.__init__
+
+    def init(buffer: Any, *args: Any, **kwargs: Any) -> None:
+        ddp_config = args[0] if args else kwargs["ddp_config"]
+        given = args[3] if len(args) > 3 else kwargs.get("params_with_names", kwargs.get("params", ()))
+        ours = all(id(p[0] if isinstance(p, tuple) else p) in mine for p in given)
+        if not ours or getattr(ddp_config, "use_distributed_optimizer", False):
+            return original(buffer, *args, **kwargs)
+        with _ZerosOnMeta():
+            return original(buffer, *args, **kwargs)
+
+    return [patch(buffers._ParamAndGradBuffer, "__init__", init,
+                  reason=f"{FLAG}: DDP's gradient buffers hold no memory until the streamer replaces them")]
+
+
 def _close(installed: Installed) -> None:
     for undo in reversed(installed.patches):
         undo()
@@ -191,6 +264,9 @@ def _wire_ddp(ddp: Any, streamer: ModelStateStreamer) -> list[Callable[[], None]
     # parameters and main_grad point at the off-device copies), so they are freed and DDP's own zeroing,
     # reduction and scaling of them are skipped
     free = all(id(p) in streamed for p in ddp.param_to_bucket_group) and not ddp.expert_parallel_buffers
+    if not free and any(b.grad_data is not None and b.grad_data.is_meta for b in ddp.buffers):
+        raise ModelStateError(f"{FLAG}: DDP's gradient buffers were laid out for the streamer, but it streams "
+                              "only some of DDP's parameters; drop the flag")
     if free:
         for buf in ddp.buffers:
             for bucket in buf.buckets:
