@@ -58,7 +58,7 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
         longctx, options = _config(spec), spec.options
     check_model_config(model, longctx, recompute_moved=moved)
     if longctx.model_states.enabled:
-        check_model_state_training(cfg)
+        check_model_state_training(cfg, longctx)
     # made before anything changes: a refusal leaves the config as it was
     field, value = (("hybrid_stack_spec", _hybrid_stack_spec(model, longctx)) if hybrid
                     else ("transformer_layer_spec", spec))
@@ -160,9 +160,12 @@ def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: 
                                                         f"offload streams (model_state_offload={ms.model_state_offload!r}); "
                                                         "set model.cpu_offloading=false, or drop model_state_offload")
         if ms.model_state_offload == "disk":
-            raise ValueError(f"{PREFIX}: model_state_offload='disk' keeps the weights in files that Bridge's "
-                             "checkpointing does not read back; use model_state_offload='host' (pinned host "
-                             "memory), or train with `megatron-longctx run` or the launcher for 'disk'")
+            for name in ("bf16", "fp16"):
+                if getattr(model, name, False):
+                    raise _field_error(name, True, "model_state_offload='disk' steps float32 parameters unit by "
+                                                   f"unit (Megatron would keep fp32 master copies of every weight "
+                                                   f"in memory); set model.{name}=false, or use "
+                                                   "model_state_offload='host'")
     if longctx.memory.recompute_enabled and not recompute_moved and getattr(model, "recompute_granularity", None):
         raise _field_error("recompute_granularity", model.recompute_granularity,
                            f"Megatron's recompute would run together with megatron-longctx's "
@@ -174,9 +177,26 @@ def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: 
         raise ValueError(f"{PREFIX}: {err}") from None
 
 
-def check_model_state_training(cfg: Any) -> None:
+def check_model_state_training(cfg: Any, longctx: LongContextConfig) -> None:
     """The training settings of a ``ConfigContainer`` the model-state offload refuses, each named with its fix
-    (the streamer reduces each layer's gradients itself, over buffers the distributed optimizer would shard)."""
+    (the streamer reduces each layer's gradients itself, over buffers the distributed optimizer would shard);
+    for ``disk``, a float32 optimizer and a directory the files can be written to."""
+    if longctx.model_states.model_state_offload == "disk":
+        from megatron_longctx.memory.model_state_checks import check_disk_dir
+        from megatron_longctx.memory.offload_disk import default_root
+
+        mixed = getattr(cfg, "mixed_precision", None)
+        low = (any(name in mixed for name in ("bf16", "fp16")) if isinstance(mixed, str)
+               else any(getattr(x, name, False) for x in (mixed, getattr(cfg, "optimizer", None))
+                        for name in ("bf16", "fp16")))
+        if low:
+            raise ValueError(f"{PREFIX}: model_state_offload='disk' steps float32 parameters unit by unit; set "
+                             "optimizer.bf16=false and optimizer.fp16=false (mixed_precision=None), or use "
+                             "model_state_offload='host'")
+        try:
+            check_disk_dir(default_root(longctx.memory))
+        except ValueError as err:
+            raise ValueError(f"{PREFIX}: {err}") from None
     for section, name, fix in (("ddp", "use_distributed_optimizer", "false"),
                                ("optimizer", "use_distributed_optimizer", "false"),
                                ("ddp", "overlap_grad_reduce", "false"),

@@ -1,7 +1,7 @@
 """Megatron-Bridge's own ``pretrain()`` with megatron-longctx, on 2 gloo CPU ranks: the ``vanilla_gpt`` recipe
 at tiny size, 3 steps; context parallelism (ring = Bridge's p2p, allgather, ulysses = a2a) gives the losses of
 CP=1 (data parallel over the same global batch), and so do the memory features; the model-state offload keeps
-them to the bit; a run saved and resumed from its checkpoint's ``run_config.yaml`` continues bit for bit.  Runs where ``megatron.bridge`` imports
+them to the bit (host and disk, and disk resumes to the bit); a run saved and resumed from its checkpoint's ``run_config.yaml`` continues bit for bit.  Runs where ``megatron.bridge`` imports
 (``make test-bridge``); skips elsewhere."""
 
 from __future__ import annotations
@@ -165,6 +165,21 @@ def test_model_state_offload_host_keeps_the_losses(cp1_losses):
     clipped, _ = run_ranks(2, _train, 2, cp_algorithm="ring", model_state_offload="host")
     _log("bridge vanilla_gpt CP=2 ring + model-state offload host", clipped)
     assert clipped == pytest.approx(cp1_losses, rel=1e-5)
+
+
+def test_model_state_offload_disk_equals_host_and_resumes_bit_for_bit(tmp_path):
+    """Bridge's loop with the weights, gradients and Adam moments in files: the losses of the same run streamed
+    from host memory, to the bit; 2 steps saved (Bridge's checkpointing reads every unit back from its files)
+    and 2 more resumed (the weights written back to new files) continue the 4 steps straight, to the bit."""
+    host, _ = run_ranks(2, _train, 2, 4, clip_grad=0.0, cp_algorithm="ring", model_state_offload="host")
+    options = {"cp_algorithm": "ring", "model_state_offload": "disk", "offload_disk_dir": str(tmp_path / "states")}
+    straight, _ = run_ranks(2, _train, 2, 4, clip_grad=0.0, **options)
+    _log("bridge vanilla_gpt CP=2 ring + model-state offload disk", straight)
+    assert straight == host
+    first, _ = run_ranks(2, _train, 2, 4, save_at=2, save=str(tmp_path / "ckpt"), clip_grad=0.0, **options)
+    resumed, again = run_ranks(2, _train, 2, 4, resume=str(tmp_path / "ckpt"), clip_grad=0.0)
+    assert first == straight[:2]
+    assert resumed == again == straight[2:]
 
 
 def test_save_and_resume_from_run_config_continue_bit_for_bit(tmp_path):

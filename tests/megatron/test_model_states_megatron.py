@@ -259,11 +259,11 @@ def test_cp2_bit_for_bit(algorithm: str, recompute: bool) -> None:
     run_ranks(2, _cp_body, algorithm, recompute)
 
 
-def test_bridge_refuses_disk_and_training_loops_defer() -> None:
-    """Bridge's configure refuses ``disk`` by name (Bridge's checkpointing would not read the files back) and
-    Megatron's ``cpu_offloading`` beside the flag; the installer defers the install to the optimizer's build
-    (after DDP), patching ``get_megatron_optimizer`` of Megatron-LM's loop and, once Bridge's optimizer module
-    is imported, of Bridge's, each once."""
+def test_bridge_checks_and_training_loops_defer(tmp_path) -> None:
+    """Bridge's configure refuses, by name, ``disk`` with bf16/fp16 (model, optimizer or mixed_precision) or an
+    unwritable directory, and Megatron's ``cpu_offloading`` beside the flag; the installer defers the install
+    to the optimizer's build (after DDP), patching ``get_megatron_optimizer`` of Megatron-LM's loop and, once
+    Bridge's optimizer module is imported, of Bridge's, each once."""
     import sys
     import types
 
@@ -275,9 +275,23 @@ def test_bridge_refuses_disk_and_training_loops_defer() -> None:
     from megatron_longctx.megatron.features.model_states import BRIDGE_OPTIMIZER_MODULES, FEATURE
     from megatron_longctx.megatron.memory_spec import install_and_report
 
-    disk = LongContextConfig.from_flat({"model_state_offload": "disk"})
-    with pytest.raises(ValueError, match=r"model_state_offload='disk'.*use model_state_offload='host'"):
-        check_model_config(types.SimpleNamespace(), disk)
+    disk = LongContextConfig.from_flat({"model_state_offload": "disk", "offload_disk_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"model.bf16=True: model_state_offload='disk' steps float32 .*set "
+                                         r"model.bf16=false, or use model_state_offload='host'"):
+        check_model_config(types.SimpleNamespace(bf16=True), disk)
+    check_model_config(types.SimpleNamespace(), disk)
+    fp32 = types.SimpleNamespace(ddp=types.SimpleNamespace(), optimizer=types.SimpleNamespace(bf16=False),
+                                 mixed_precision=None)
+    check_model_state_training(fp32, disk)
+    for low in (types.SimpleNamespace(ddp=fp32.ddp, optimizer=types.SimpleNamespace(bf16=True)),
+                types.SimpleNamespace(ddp=fp32.ddp, optimizer=fp32.optimizer, mixed_precision="bf16_mixed")):
+        with pytest.raises(ValueError, match=r"model_state_offload='disk' steps float32 .*optimizer.bf16=false"):
+            check_model_state_training(low, disk)
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the directory should be
+    unwritable = LongContextConfig.from_flat({"model_state_offload": "disk", "offload_disk_dir": str(blocked)})
+    with pytest.raises(ValueError, match=rf"--longctx-offload-disk-dir {blocked} is not writable"):
+        check_model_state_training(fp32, unwritable)
     host = LongContextConfig.from_flat({"model_state_offload": "host"})
     with pytest.raises(ValueError, match=r"model.cpu_offloading.*set model.cpu_offloading=false"):
         check_model_config(types.SimpleNamespace(cpu_offloading=True), host)
@@ -291,9 +305,9 @@ def test_bridge_refuses_disk_and_training_loops_defer() -> None:
     recipe = types.SimpleNamespace(ddp=types.SimpleNamespace(use_distributed_optimizer=True),
                                    optimizer=types.SimpleNamespace(use_distributed_optimizer=True))
     with pytest.raises(ValueError, match=r"ddp.use_distributed_optimizer=True.*set ddp.use_distributed_optimizer=false"):
-        check_model_state_training(recipe)
+        check_model_state_training(recipe, host)
     recipe.ddp.use_distributed_optimizer = recipe.optimizer.use_distributed_optimizer = False
-    check_model_state_training(recipe)
+    check_model_state_training(recipe, host)
 
     bridge_optim = types.ModuleType(BRIDGE_OPTIMIZER_MODULES[0])  # Bridge's module, as its loop imports it
     bridge_optim.get_megatron_optimizer = bridge_original = lambda *a, **k: None

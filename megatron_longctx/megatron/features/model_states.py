@@ -46,6 +46,7 @@ from megatron_longctx.patching import patch
 # Megatron-Bridge's module that builds its optimizer (with megatron-core's get_megatron_optimizer, imported
 # into it): patched beside Megatron-LM's when Bridge's training loop is the one running.
 BRIDGE_OPTIMIZER_MODULES = ("megatron.bridge.training.optim",)
+BRIDGE_CHECKPOINTING = "megatron.bridge.training.checkpointing"  # Bridge's save_checkpoint / load_checkpoint
 
 
 def _units(chunk: torch.nn.Module, norm_with_output: bool = False) -> list[Any]:
@@ -318,14 +319,11 @@ def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: Lo
     from megatron_longctx.megatron import offdevice_optimizer
     from megatron_longctx.memory.offdevice_optimizer import OffDeviceSpec
 
-    try:  # the wheels of megatron-core before 0.19 ship no megatron.training: no checkpoint calls to wrap
-        import megatron.training.training as training
-    except ImportError:
-        training = None
     why = f"{FLAG} disk: the weights are read back from their files for this call"
-    for name, store in (("save_checkpoint", False), ("load_checkpoint", True)) if training else ():
-        installed.patches.append(patch(training, name, _around(getattr(training, name), streamer, store),
-                                       reason=why).undo)  # a save changes no weight
+    for module in _checkpointing_modules():
+        for name, store in (("save_checkpoint", False), ("load_checkpoint", True)):  # a save changes no weight
+            installed.patches.append(patch(module, name, _around(getattr(module, name), streamer, store),
+                                           reason=why).undo)
 
     def wire(optimizer: Any) -> Any:
         wrappers = offdevice_optimizer.megatron_optimizers(optimizer)
@@ -341,6 +339,23 @@ def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: Lo
         return optimizer
 
     return wire
+
+
+def _checkpointing_modules() -> list:
+    """The modules whose ``save_checkpoint`` / ``load_checkpoint`` the training loop running calls: Megatron-LM's
+    (the wheels of megatron-core before 0.19 ship no ``megatron.training``), and Megatron-Bridge's when its
+    loop is the one running (its checkpoint manager calls them from its own module)."""
+    modules = []
+    try:
+        import megatron.training.training as training
+
+        modules.append(training)
+    except ImportError:
+        pass
+    bridge = sys.modules.get(BRIDGE_CHECKPOINTING)
+    if bridge is not None:
+        modules.append(bridge)
+    return modules
 
 
 class _ClippedSource:
