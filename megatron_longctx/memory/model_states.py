@@ -9,7 +9,9 @@ holds a few *weight slots* and *gradient slots*, each sized for the largest unit
 * a forward pre-hook copies the unit's weights into a free weight slot and points each parameter's
   ``.data`` at its view there; with ``host`` the next unit's copy (the one after in forward, the one before
   in backward and its recompute) starts at once into another free slot, on a side stream when the device is
-  a GPU, and gives its slot up when a use needs it.  The forward post-hook points ``.data`` back at the
+  a GPU, and gives its slot up when a use needs it.  With ``disk`` the next unit's file is read on a reader
+  thread into a read-ahead buffer of the pool (one read in flight) while the current unit computes; its
+  load then copies from there.  The forward post-hook points ``.data`` back at the
   off-device copy and frees the slot.  A recompute re-enters the same hooks, so the weights come in again
   for it;
 * a gradient hook on the unit's outputs brings the weights in again for the unit's backward and points
@@ -29,6 +31,7 @@ cost, and :meth:`ModelStateStreamer.check_released` fails if a unit's weights st
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 from typing import Any, Iterator, Optional, Sequence
 
@@ -38,6 +41,7 @@ from megatron_longctx.memory import hooks
 from megatron_longctx.memory.model_state_store import (FLAG, ModelStateError, OffDeviceStore,  # noqa: F401
                                                        StreamOptions)
 from megatron_longctx.memory.model_state_units import Unit, add_bytes, tensors, view
+from megatron_longctx.memory.offload_disk import DiskOffloadError, read_file
 
 class ModelStateStreamer(OffDeviceStore):
     """Streams ``units``' weights in and their gradients out (see the module docstring)."""
@@ -63,6 +67,12 @@ class ModelStateStreamer(OffDeviceStore):
         self.loads = self.grad_flushes = self.prefetches = self.evictions = 0  # evictions: of units held ahead
         self.bytes_in = self.bytes_out = 0  # weights copied into slots; gradients copied out of them
         self.sync_grads = True  # False for all but a step's last micro-batch (as DDP's no_sync)
+        # disk: the next unit's weights read ahead on a reader thread (one read in flight)
+        self._ahead = self._take(self.slot_bytes, "the disk read-ahead buffer") if opts.target == "disk" else None
+        self._ahead_read: Optional[tuple[int, concurrent.futures.Future]] = None  # (unit index, its read)
+        self._ahead_free: Any = None  # GPU: event of the last copy out of the read-ahead buffer
+        self._reader: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.reads_ahead_used = 0  # loads served from the read-ahead buffer
         self._forward_ctx: list = []
         self._handles: list = []
         self._install_hooks()
@@ -98,7 +108,13 @@ class ModelStateStreamer(OffDeviceStore):
                     u.ready = self._side.record_event() if self._side is not None else None
             else:  # on the compute stream, behind the slot's last use
                 assert u.path is not None and self._staging is not None
-                dst.copy_(self._read(u.path, u.nbytes, f"unit {u.index}'s weights"))
+                ahead = self._read_ahead_of(u)
+                if ahead is None:
+                    dst.copy_(self._read(u.path, u.nbytes, f"unit {u.index}'s weights"))
+                else:
+                    dst.copy_(ahead, non_blocking=True)
+                    self._ahead_free = self._compute_event()
+                    self.reads_ahead_used += 1
             self._charge(u.nbytes)
             self.loads += 1
             self.bytes_in += u.nbytes
@@ -113,13 +129,51 @@ class ModelStateStreamer(OffDeviceStore):
             p.param.data = view(buf, p.offset, p.dtype, p.shape)
 
     def _prefetch(self, index: int) -> None:
-        """Start unit ``index``'s weights into a free slot ahead of its use (``host`` only: a disk read would
-        hold the host up before the current unit's work is even queued)."""
-        if 0 <= index < len(self.units) and self.opts.target == "host" and None in self._wowner:
-            u = self.units[index]
-            if u.wslot is None:
-                self._load(u, prefetch=True)
-                self.prefetches += 1
+        """Start unit ``index``'s weights on their way ahead of its use: ``host``, into a free slot; ``disk``,
+        its file into the read-ahead buffer on the reader thread (when no other read is in flight)."""
+        if not 0 <= index < len(self.units) or self.units[index].wslot is not None:
+            return
+        u = self.units[index]
+        if self.opts.target == "host" and None in self._wowner:
+            self._load(u, prefetch=True)
+            self.prefetches += 1
+        elif self.opts.target == "disk" and self._ahead_read is None:
+            self._start_read_ahead(u)
+            self.prefetches += 1
+
+    def _start_read_ahead(self, u: Unit) -> None:
+        assert self._ahead is not None and u.path is not None
+        if self._reader is None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="longctx-model-states")
+        free, out, path = self._ahead_free, self._ahead[:u.nbytes], u.path
+
+        def read() -> torch.Tensor:
+            if free is not None:  # the last copy out of the buffer has read it
+                free.synchronize()
+            return read_file(path, u.nbytes, 0, out)
+
+        self._ahead_read = (u.index, self._reader.submit(read))
+
+    def _read_ahead_of(self, u: Unit) -> Optional[torch.Tensor]:
+        """``u``'s weights from the read-ahead buffer once its read is done; None when its read is not the one
+        in flight (that read goes on)."""
+        if self._ahead_read is None or self._ahead_read[0] != u.index:
+            return None
+        _, read = self._ahead_read
+        self._ahead_read = None
+        try:
+            return read.result()
+        except DiskOffloadError as exc:
+            raise ModelStateError(f"{FLAG} disk: reading unit {u.index}'s weights ({u.nbytes} bytes) failed: "
+                                  f"{exc}") from exc
+
+    def _settle_reads(self) -> None:
+        """Wait for a read ahead in flight and drop it (its unit's file is about to change, or the pass ended)."""
+        if self._ahead_read is not None:
+            _, read = self._ahead_read
+            self._ahead_read = None
+            with contextlib.suppress(DiskOffloadError):  # a use would read the file again and report it
+                read.result()
 
     def _evict_prefetched(self) -> Optional[int]:
         for u in self._wowner:
@@ -178,15 +232,16 @@ class ModelStateStreamer(OffDeviceStore):
                         lambda param, u=u: self._grad_ready(u, param)))
 
     def _pre_forward(self, u: Unit, inputs: tuple) -> None:
-        self._load(u)
-        # the next unit in this pass: a recompute inside backward walks the units backwards
-        self._prefetch(u.index - 1 if torch._C._current_graph_task_id() >= 0 else u.index + 1)
+        # first what the post-hook undoes, which runs also when this hook raises (a weight file unreadable)
         u.in_forward += 1
         ctx = hooks.packing(_SlotViewPacker(self))
         ctx.__enter__()
         # the inputs' autograd nodes: an input handed back untouched (a norm passed through) is no output of
         # the unit's weights; one written in place (an output over its input) has a new node
         self._forward_ctx.append((ctx, {id(t): t.grad_fn for t in tensors(inputs)}))
+        self._load(u)
+        # the next unit in this pass: a recompute inside backward walks the units backwards
+        self._prefetch(u.index - 1 if torch._C._current_graph_task_id() >= 0 else u.index + 1)
 
     def _post_forward(self, u: Unit, out: Any) -> None:
         ctx, given = self._forward_ctx.pop()
@@ -322,6 +377,7 @@ class ModelStateStreamer(OffDeviceStore):
             if not u.in_forward:
                 self._release(u)
         self._drain()
+        self._settle_reads()  # the optimizer may rewrite the files next
         if self._side is not None:  # no weight copy still reads a host copy the optimizer is about to update
             self._side.synchronize()
 
@@ -341,7 +397,21 @@ class ModelStateStreamer(OffDeviceStore):
         return (f"model states of {len(self.units)} units on the {where}, "
                 f"{len(self.wslots)} device slots of {self.slot_bytes} + {self.gslot_bytes} bytes")
 
+    def store_weights(self, index: int, values: Sequence[torch.Tensor]) -> None:
+        self._settle_reads()
+        super().store_weights(index, values)
+
+    @contextlib.contextmanager
+    def weights_in(self, index: int) -> Iterator[list[torch.nn.Parameter]]:
+        self._settle_reads()
+        with super().weights_in(index) as params:
+            yield params
+
     def remove(self) -> None:
+        self._settle_reads()
+        if self._reader is not None:
+            self._reader.shutdown()
+            self._reader = None
         while self._forward_ctx:  # a forward that never reached its post hook
             self._forward_ctx.pop()[0].__exit__(None, None, None)
         while self._handles:

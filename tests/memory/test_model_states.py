@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import os
 import resource
 
 import pytest
@@ -230,6 +231,40 @@ def test_next_unit_comes_in_ahead_of_its_use(tmp_path) -> None:
     n = len(streamer.units)
     assert ahead == [False] + [True] * (n - 1)
     assert streamer.loads == 2 * n and streamer.prefetches == 2 * (n - 1)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_disk_reads_the_next_unit_ahead_of_its_use(recompute: bool, tmp_path) -> None:
+    """``disk``: while a unit computes, the next one's file is read on the reader thread; every unit but each
+    pass's first is loaded from that read (none read twice, none read in vain), and the results are those of
+    the model without streaming, bit for bit."""
+    torch.manual_seed(0)
+    ref = Stack(n=5, recompute=recompute)
+    model = copy.deepcopy(ref)
+    streamer = _streamer(model, "disk", tmp_path)
+    tokens = torch.randint(0, 32, (2, 8))
+    _micro_batch(ref, model, streamer, tokens)
+    n = len(streamer.units)
+    # one load per unit in forward and one for its backward (a recompute's stays for the backward); all but
+    # the first of each pass served by the read ahead
+    assert streamer.loads == 2 * n
+    assert streamer.reads_ahead_used == streamer.prefetches == 2 * (n - 1)
+    same_states(ref.units(), streamer)
+    streamer.remove()
+
+
+def test_a_unit_file_that_cannot_be_read_ahead_names_the_flag(tmp_path) -> None:
+    """A weight file cut short under the reader thread: the load that waits for the read raises one error
+    naming the flag, the unit and the bytes."""
+    torch.manual_seed(0)
+    model = Stack()
+    streamer = _streamer(model, "disk", tmp_path)
+    os.truncate(streamer.units[1].path, 8)
+    with pytest.raises(ModelStateError, match=r"--longctx-model-state-offload disk: reading unit 1's weights "
+                                              rf"\({streamer.units[1].nbytes} bytes\) failed"):
+        _loss(model, torch.randint(0, 32, (2, 8)))
+    assert streamer.prefetches == 1 and streamer.reads_ahead_used == 0
+    streamer.remove()
 
 
 class GroupedStack(Stack):
