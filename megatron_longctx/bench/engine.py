@@ -24,6 +24,7 @@ the mean over the global batch of each sequence's mean token loss, whatever the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -365,8 +366,10 @@ class Trainer:
         cfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                               adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=self.shape.bf16,
                               fp16=False)
+        building = self.model_states.building_optimizer() if self.model_states is not None else contextlib.nullcontext()
         try:
-            return get_megatron_optimizer(cfg, [self.ddp])
+            with building:
+                return get_megatron_optimizer(cfg, [self.ddp])
         except TypeError as exc:  # older megatron-core: its Float16 optimizer checks for torch.cuda tensors
             if self.shape.bf16 and "torch.cuda" in str(exc):
                 raise ValueError(f"--bf16: this megatron-core's mixed-precision optimizer takes CUDA parameters "

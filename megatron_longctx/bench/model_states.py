@@ -35,6 +35,10 @@ class ModelStates:
     def streamer(self) -> Any:
         return next(done.streamer for _, done in self.installation.installed if hasattr(done, "streamer"))
 
+    def building_optimizer(self) -> Any:
+        """The context Megatron's optimizer is built in over the streamed model."""
+        return self.plugin.building_optimizer(self.installation)
+
     def wire_optimizer(self, optimizer: Any) -> None:
         self.plugin.wire_optimizer(self.installation, optimizer)
 

@@ -159,13 +159,10 @@ def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: 
             raise _field_error("cpu_offloading", True, f"Megatron's offload would move the weights the model-state "
                                                         f"offload streams (model_state_offload={ms.model_state_offload!r}); "
                                                         "set model.cpu_offloading=false, or drop model_state_offload")
-        if ms.model_state_offload == "disk":
-            for name in ("bf16", "fp16"):
-                if getattr(model, name, False):
-                    raise _field_error(name, True, "model_state_offload='disk' steps float32 parameters unit by "
-                                                   f"unit (Megatron would keep fp32 master copies of every weight "
-                                                   f"in memory); set model.{name}=false, or use "
-                                                   "model_state_offload='host'")
+        if ms.model_state_offload == "disk" and getattr(model, "fp16", False):
+            raise _field_error("fp16", True, "model_state_offload='disk' steps float32 or bf16 parameters unit by "
+                                             "unit; fp16's loss scaling checks every gradient at once: set "
+                                             "model.fp16=false (bf16 or float32), or use model_state_offload='host'")
     if longctx.memory.recompute_enabled and not recompute_moved and getattr(model, "recompute_granularity", None):
         raise _field_error("recompute_granularity", model.recompute_granularity,
                            f"Megatron's recompute would run together with megatron-longctx's "
@@ -186,13 +183,12 @@ def check_model_state_training(cfg: Any, longctx: LongContextConfig) -> None:
         from megatron_longctx.memory.offload_disk import default_root
 
         mixed = getattr(cfg, "mixed_precision", None)
-        low = (any(name in mixed for name in ("bf16", "fp16")) if isinstance(mixed, str)
-               else any(getattr(x, name, False) for x in (mixed, getattr(cfg, "optimizer", None))
-                        for name in ("bf16", "fp16")))
-        if low:
-            raise ValueError(f"{PREFIX}: model_state_offload='disk' steps float32 parameters unit by unit; set "
-                             "optimizer.bf16=false and optimizer.fp16=false (mixed_precision=None), or use "
-                             "model_state_offload='host'")
+        fp16 = ("fp16" in mixed if isinstance(mixed, str)
+                else any(getattr(x, "fp16", False) for x in (mixed, getattr(cfg, "optimizer", None))))
+        if fp16:
+            raise ValueError(f"{PREFIX}: model_state_offload='disk' steps float32 or bf16 parameters unit by unit; "
+                             "fp16's loss scaling checks every gradient at once: set optimizer.fp16=false (a bf16 "
+                             "or float32 mixed_precision), or use model_state_offload='host'")
         try:
             check_disk_dir(default_root(longctx.memory))
         except ValueError as err:

@@ -118,6 +118,13 @@ class LongContextPlugin:
         ``model``; then :meth:`wire_optimizer` with the optimizer built over it."""
         return self.install(model, tuple(f for f in self.features if f.waits_for_optimizer))
 
+    def building_optimizer(self, installation: Installation) -> contextlib.AbstractContextManager:
+        """The context to build Megatron's optimizer in over the model ``installation`` went on."""
+        stack = contextlib.ExitStack()
+        for feature, done in installation.installed:
+            stack.enter_context(feature.building_optimizer(done))
+        return stack
+
     def wire_optimizer(self, installation: Installation, optimizer: Any) -> Any:
         """``optimizer`` (built over the model ``installation`` went on) with its features' hooks."""
         for feature, done in installation.installed:

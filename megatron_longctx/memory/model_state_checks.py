@@ -22,12 +22,15 @@ def check_megatron_offload(values: dict, fix_prefix: str = "--") -> None:
 
 
 def check_disk_step(values: dict) -> None:
-    """What the ``disk`` target's unit-by-unit optimizer step serves: float32 parameters (no fp32 master copies
-    of bf16/fp16 weights, which would stay whole on the host) and no zero counting over all gradients."""
-    low = [f"--{n}" for n in ("bf16", "fp16") if values.get(n)]
-    if low:
-        raise ValueError(f"{FLAG} disk steps float32 parameters unit by unit; with {low[0]} Megatron keeps fp32 "
-                         f"master copies of every weight on the host: use {FLAG} host, or drop {low[0]}")
+    """What the ``disk`` target's unit-by-unit optimizer step serves: float32 parameters, or bf16 ones with
+    their float32 masters on disk and no loss scaling (fp16's, or ``--loss-scale``, would check and unscale
+    every gradient at once), and no zero counting over all gradients."""
+    if values.get("fp16"):
+        raise ValueError(f"{FLAG} disk steps float32 or bf16 parameters unit by unit; --fp16's loss scaling "
+                         f"checks every gradient at once: use --bf16, or {FLAG} host")
+    if values.get("bf16") and values.get("loss_scale"):
+        raise ValueError(f"{FLAG} disk: --loss-scale under --bf16 would unscale every gradient at once; drop "
+                         f"--loss-scale, or use {FLAG} host")
     if values.get("data_parallel_random_init"):
         raise ValueError(f"{FLAG} disk: --data-parallel-random-init broadcasts every weight after the build, and "
                          "each layer's weights are in their file by then; drop --data-parallel-random-init or use "

@@ -35,17 +35,28 @@ class Stashed:
     nbytes: int
 
 
-def placeholder(param: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+def placeholder(param: torch.Tensor, device: Optional[torch.device] = None,
+                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """A one-element tensor expanded to ``param``'s shape: what a parameter holds while its values are in a
     file (its shape, dtype and element count stay what Megatron reads)."""
-    return torch.zeros(1, dtype=param.dtype, device=device or param.device).expand(param.shape)
+    return torch.zeros(1, dtype=dtype or param.dtype, device=device or param.device).expand(param.shape)
 
 
-def stash_weights(module: torch.nn.Module, run_dir: RunDir, name: str) -> None:
+def is_placeholder(t: Any) -> bool:
+    """``t`` is a :func:`placeholder` (or a view of one): many elements over one element's storage."""
+    return isinstance(t, torch.Tensor) and t.numel() > 1 and t.untyped_storage().nbytes() <= t.element_size()
+
+
+def stash_weights(module: torch.nn.Module, run_dir: RunDir, name: str, dtype: Optional[torch.dtype] = None) -> None:
     """Write ``module``'s weights to a file under ``run_dir`` as the ``disk`` target lays out a unit, and leave
     :func:`placeholder` in its parameters, so that a model is never whole in memory while it is built: the
     :class:`OffDeviceStore` over it later takes the file as the unit's own (``module`` must be a unit by
-    itself, e.g. a transformer layer)."""
+    itself, e.g. a transformer layer).  ``dtype``: the parameters are cast to it first, as Megatron's
+    ``Float16Module`` would after the build (its cast of a placeholder already of that dtype is a no-op)."""
+    if dtype is not None:
+        for p in module.parameters():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
     u = Unit(-1, module, None)
     data = torch.zeros(u.nbytes, dtype=torch.uint8)
     for p in u.params:
@@ -84,6 +95,9 @@ class StreamOptions:
     host_grad_units: indices of units whose accumulated gradients others read and write on ``main_grad``
     between backward and the optimizer step (a tied embedding's copies on the first and last pipeline stage,
     summed by Megatron): with ``disk`` their accumulator stays in the host pool, their weights on disk.
+    masters: with ``disk``, each unit's bf16/fp16 weights also have float32 master copies in a file of their
+    own (what Megatron's mixed-precision optimizer steps; :meth:`OffDeviceStore.masters_in`), made from the
+    weights as the states are placed, as Megatron makes its copies.
     """
 
     target: str
@@ -96,6 +110,7 @@ class StreamOptions:
     reduce_group: Any = None
     grad_scale: float = 1.0
     host_grad_units: tuple = ()  # units whose gradient accumulator stays in the host pool with ``disk``
+    masters: bool = False  # disk: float32 master copies of bf16/fp16 weights in a file per unit
 
 
 class OffDeviceStore:
@@ -112,6 +127,7 @@ class OffDeviceStore:
             raise ModelStateError(f"{FLAG}: a parameter is shared by two units (tie them into one unit)")
         self.run_dir = RunDir(os.path.join(opts.disk_dir, "model-states")) if opts.target == "disk" else None
         self._staging: Optional[torch.Tensor] = None
+        self._mstaging: Optional[torch.Tensor] = None  # one unit's float32 masters (disk, masters)
         self._copies_out: list = []  # GPU: events of gradient copies into the host accumulators not waited for
         self._place_off_device()
 
@@ -127,6 +143,8 @@ class OffDeviceStore:
     def _place_off_device(self) -> None:
         if self.opts.target == "disk":  # one staging buffer for the largest unit (weights or gradients)
             self._staging = self._take(max(max(u.nbytes, u.gbytes) for u in self.units), "the disk staging buffer")
+            if self.opts.masters and any(u.mbytes for u in self.units):
+                self._mstaging = self._take(max(u.mbytes for u in self.units), "the master weights' staging buffer")
         stash_dirs = {}
         for u in self.units:
             if self.opts.target == "host":
@@ -156,10 +174,23 @@ class OffDeviceStore:
                     dst[p.offset:p.offset + src.numel()].copy_(src)
                 if u.path is not None:
                     self._write(dst[:u.nbytes], u.path, f"unit {u.index}'s weights")
+            if self._mstaging is not None and u.mbytes:
+                assert self.run_dir is not None
+                u.mpath = os.path.join(self.run_dir.path, f"unit{u.index}.m")
+                weights = self._read(u.path, u.nbytes, f"unit {u.index}'s weights") if stashed else self._staging
+                self._write_masters(u, weights)
             self._point_off_device(u)
         for run_dir in stash_dirs.values():  # every file taken: the build's directory goes
             if not any(name.endswith(".w") for name in os.listdir(run_dir.path)):
                 run_dir.remove()
+
+    def _write_masters(self, u: Unit, weights: torch.Tensor) -> None:
+        """``u``'s float32 masters, made from its weights' bytes ``weights`` (the weight's values exactly)."""
+        assert self._mstaging is not None and u.mpath is not None
+        for p in u.params:
+            if p.moffset >= 0:
+                view(self._mstaging, p.moffset, torch.float32, p.shape).copy_(view(weights, p.offset, p.dtype, p.shape))
+        self._write(self._mstaging[:u.mbytes], u.mpath, f"unit {u.index}'s master weights")
 
     def _stashed(self, u: Unit) -> Optional[Stashed]:
         stashed = getattr(u.module, STASHED, None) if len(u.modules) == 1 else None
@@ -186,8 +217,11 @@ class OffDeviceStore:
 
     def _read(self, path: str, nbytes: int, what: str) -> torch.Tensor:
         assert self._staging is not None
+        return self._read_into(self._staging, path, nbytes, what)
+
+    def _read_into(self, buf: torch.Tensor, path: str, nbytes: int, what: str) -> torch.Tensor:
         try:
-            return read_file(path, nbytes, 0, self._staging[:nbytes])
+            return read_file(path, nbytes, 0, buf[:nbytes])
         except DiskOffloadError as exc:
             raise ModelStateError(f"{FLAG} disk: reading {what} ({nbytes} bytes) failed: {exc}") from exc
 
@@ -253,14 +287,54 @@ class OffDeviceStore:
             view(self._staging, p.offset, p.dtype, p.shape).copy_(v)
         self._write(self._staging[:u.nbytes], u.path, f"unit {index}'s weights")
 
+    def unit_masters(self, index: int) -> list[Optional[torch.Tensor]]:
+        """Unit ``index``'s float32 master weights (copies; None where the weight is float32 itself)."""
+        u = self.units[index]
+        if u.mpath is None:
+            return [None] * len(u.params)
+        data = self._read_into(torch.empty(u.mbytes, dtype=torch.uint8), u.mpath, u.mbytes,
+                               f"unit {index}'s master weights")
+        return [None if p.moffset < 0 else view(data, p.moffset, torch.float32, p.shape) for p in u.params]
+
+    def store_masters(self, index: int, values: Sequence[Optional[torch.Tensor]]) -> None:
+        """Write unit ``index``'s float32 master weights (a checkpoint's; None entries skipped)."""
+        u = self.units[index]
+        if u.mpath is None:
+            return
+        assert self._mstaging is not None
+        data = self._read_into(self._mstaging, u.mpath, u.mbytes, f"unit {index}'s master weights")
+        for p, v in zip(u.params, values):
+            if p.moffset >= 0 and v is not None:
+                view(data, p.moffset, torch.float32, p.shape).copy_(v)
+        self._write(data, u.mpath, f"unit {index}'s master weights")
+
+    @contextlib.contextmanager
+    def masters_in(self, index: int) -> Iterator[list[tuple[torch.Tensor, Optional[torch.Tensor]]]]:
+        """For a mixed-precision optimizer step: unit ``index``'s weights and float32 masters on the host, as
+        ``(weight, master or None)`` per parameter (read into the staging buffers).  At the block's end the
+        masters are written back, and the weights, rounded from them (float32 weights as the block left
+        them), as Megatron's copy of the main parameters to the model's does."""
+        u = self.units[index]
+        assert u.path is not None and u.mpath is not None and self._mstaging is not None
+        weights = self._read(u.path, u.nbytes, f"unit {index}'s weights")
+        masters = self._read_into(self._mstaging, u.mpath, u.mbytes, f"unit {index}'s master weights")
+        pairs = [(view(weights, p.offset, p.dtype, p.shape),
+                  view(masters, p.moffset, torch.float32, p.shape) if p.moffset >= 0 else None) for p in u.params]
+        yield pairs
+        for w, m in pairs:
+            if m is not None:
+                w.copy_(m)
+        self._write(masters, u.mpath, f"unit {index}'s master weights")
+        self._write(weights, u.path, f"unit {index}'s weights")
+
     def param_groups(self) -> list[list[torch.nn.Parameter]]:
         """The streamed parameters, one list per unit (what :meth:`grads_in` and :meth:`weights_in` bring in)."""
         return [[p.param for p in u.params] for u in self.units]
 
     @contextlib.contextmanager
     def grads_in(self, index: int) -> Iterator[list[torch.nn.Parameter]]:
-        """Inside the block, unit ``index``'s accumulated gradients are its parameters' ``grad`` and
-        ``main_grad`` (zeros where nothing accumulated this step); ``disk`` reads them into the staging
+        """Inside the block, unit ``index``'s accumulated gradients are its parameters' ``main_grad``, and their
+        ``grad`` where the dtypes agree (zeros where nothing accumulated this step); ``disk`` reads them into the staging
         buffer, so one unit's gradients are on the host at a time."""
         self._drain()
         u = self.units[index]
@@ -276,7 +350,9 @@ class OffDeviceStore:
         with_grad = [p for p in u.params if p.goffset >= 0]
         for p in with_grad:
             g = view(data, p.goffset, p.grad_dtype, p.shape)
-            p.param.grad, p.param.main_grad = g, g
+            p.param.main_grad = g
+            if g.dtype == p.param.dtype:  # a bf16 weight's float32 gradient is its master's (main_grad only)
+                p.param.grad = g
         try:
             yield [p.param for p in with_grad]
         finally:

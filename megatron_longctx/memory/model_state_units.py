@@ -18,6 +18,7 @@ class Param:
     offset: int  # byte offset in the unit's weight bytes
     goffset: int  # byte offset in the unit's gradient bytes (-1: no gradient)
     grad_dtype: torch.dtype
+    moffset: int = -1  # byte offset in the unit's float32 master bytes (-1: the weight is float32 itself)
 
 
 class Unit:
@@ -29,7 +30,7 @@ class Unit:
         self.modules = tuple(module) if isinstance(module, (tuple, list)) else (module,)
         self.index, self.module = index, self.modules[0]
         self.params: list[Param] = []
-        nbytes = gbytes = 0
+        nbytes = gbytes = mbytes = 0
         seen: set = set()
         for p in (q for m in self.modules for q in m.parameters()):
             if id(p) in seen:
@@ -39,13 +40,18 @@ class Unit:
             goff = -1
             if p.requires_grad:
                 goff, gbytes = gbytes, aligned(gbytes + p.numel() * torch.empty((), dtype=gdt).element_size())
-            self.params.append(Param(p, p.shape, p.dtype, nbytes, goff, gdt))
+            moff = -1
+            if p.dtype in (torch.bfloat16, torch.float16):
+                moff, mbytes = mbytes, aligned(mbytes + p.numel() * 4)
+            self.params.append(Param(p, p.shape, p.dtype, nbytes, goff, gdt, moff))
             nbytes = aligned(nbytes + p.numel() * p.element_size())
         self.nbytes, self.gbytes = nbytes, gbytes
+        self.mbytes = mbytes  # float32 master copies of its low-precision weights (disk, under bf16)
         self.host: Optional[torch.Tensor] = None  # [nbytes] uint8 (host target)
         self.ghost: Optional[torch.Tensor] = None  # [gbytes] uint8 gradient accumulator (host target)
         self.path: Optional[str] = None  # weights file (disk target)
         self.gpath: Optional[str] = None  # gradient accumulator file (disk target)
+        self.mpath: Optional[str] = None  # float32 master weights file (disk target, low-precision weights)
         self.has_grad = False  # the accumulator holds gradients of this step
         self.wslot: Optional[int] = None
         self.gslot: Optional[int] = None

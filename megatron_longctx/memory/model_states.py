@@ -407,6 +407,12 @@ class ModelStateStreamer(OffDeviceStore):
         with super().weights_in(index) as params:
             yield params
 
+    @contextlib.contextmanager
+    def masters_in(self, index: int) -> Iterator[list[tuple[torch.Tensor, Optional[torch.Tensor]]]]:
+        self._settle_reads()
+        with super().masters_in(index) as pairs:
+            yield pairs
+
     def remove(self) -> None:
         self._settle_reads()
         if self._reader is not None:

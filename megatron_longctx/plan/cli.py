@@ -243,7 +243,7 @@ def state_offload_lines(plan: Plan) -> list[str]:
               f"{'recompute + ' if plan.options.recompute == 'full' else ''}backward {layer.backward_s:.3f} s: "
               + ("copies hidden" if layer.hidden else f"{layer.exposed_s:.3f} s exposed per layer")
               + f"; embedding and output layer {so.other_copies_s(hw):.3f} s exposed",
-              f"  optimizer step on the CPU (AdamW{', moments through NVMe' if so.target == 'disk' else ''}): "
+              f"  optimizer step on the CPU (AdamW{', its states through NVMe' if so.target == 'disk' else ''}): "
               f"{so.optimizer_step_s(hw):.1f} s per step"]
     return lines
 

@@ -10,19 +10,21 @@ gradients leave the GPU and accumulate off it (fp32 main grads, 4 bytes, or 2 wi
 ======================  ==============================  ==========================================
                         ``host``                        ``disk``
 ======================  ==============================  ==========================================
-bf16 weights (2)        pinned host memory              NVMe, through two pinned layer slots
-fp32 master (4)         host (Megatron's copies)        host (Megatron's copies)
+bf16 weights (2)        pinned host memory              NVMe, read through a pinned staging buffer
+                                                        and a read-ahead buffer of the largest unit
+fp32 master (4)         host (Megatron's copies)        NVMe, one unit's in a pinned buffer at a time
 Adam moments (8)        host                            NVMe (+ 8 for the step's temporary file)
-main grads (4 | 2)      host, accumulated               host, accumulated
+main grads (4 | 2)      host, accumulated               NVMe, accumulated through the staging buffer
 ======================  ==============================  ==========================================
 
 Per layer and micro-batch the host link carries ``2·P`` bytes in for the forward, ``2·P`` in again for
 the recompute/backward and ``g·P`` out (PCIe is full duplex: the outgoing gradients share the backward
 with the incoming weights).  A copy hides behind the compute of the layer before it: forward behind one
 layer forward, the backward's behind the recompute and backward (3 forwards under full recompute, else
-2).  ``disk`` reads the weights off NVMe into the pinned slots (the slower of NVMe and PCIe bounds it),
-and the step's optimizer reads the moments, writes the new ones and reads them back (24 bytes per
-parameter) and writes the updated bf16 weights (2).
+2).  ``disk`` reads the weights off NVMe (the slower of NVMe and PCIe bounds it) and writes the gradients
+to it (the accumulator's read-back on later micro-batches is not counted); the step's optimizer reads
+the gradients twice (the norm, the moments), reads the moments, writes the new ones and reads them back,
+reads and writes the masters and the bf16 weights (:func:`disk_step_bytes_per_param`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ import dataclasses
 from typing import Any
 
 from .model import MASTER_BYTES, MOMENT_BYTES, WEIGHT_BYTES, MemoryOptions, ModelShape, Parallel, param_counts
-from .states import SLOTS, stage_params
+from .states import stage_params
 
 Hardware = Any  # .timing.Hardware (timing builds on this module): host_gbps, link_efficiency, nvme_gbps
 
-DISK_STEP_BYTES_PER_PARAM = 3 * MOMENT_BYTES + WEIGHT_BYTES  # moments read, written, read back; weights written
+
+
+def disk_step_bytes_per_param(grad_bytes: int) -> int:
+    """NVMe bytes one ``disk`` optimizer step moves per parameter: the gradients read twice (the norm, then
+    the moments), the moments read, written and read back, the masters and the bf16 weights read and written."""
+    return 2 * grad_bytes + 3 * MOMENT_BYTES + 2 * MASTER_BYTES + 2 * WEIGHT_BYTES
+
 # The off-device AdamW's staging (memory.offdevice_optimizer): 4M-element fp32 chunks; the denominator, and
 # the two moments read from disk.
 OPTIMIZER_CHUNK_BYTES = 4 * (1 << 22)
@@ -71,30 +79,33 @@ class StateOffload:
 
     def host_parts(self) -> dict[str, float]:
         """Host bytes by part."""
-        p = self.total_params
-        parts = {"bf16 weights": WEIGHT_BYTES * p if self.target == "host" else 0.0,
-                 "fp32 master weights": MASTER_BYTES * p,
-                 "Adam moments": MOMENT_BYTES * p if self.target == "host" else 0.0,
-                 "main grads (accumulated)": self.grad_bytes * p}
-        if self.target == "disk":  # the pinned slots the weights pass through on their way from NVMe
-            parts["weight staging slots"] = SLOTS * WEIGHT_BYTES * self.largest_unit
-        return parts
+        p, unit = self.total_params, self.largest_unit
+        if self.target == "host":
+            return {"bf16 weights": WEIGHT_BYTES * p, "fp32 master weights": MASTER_BYTES * p,
+                    "Adam moments": MOMENT_BYTES * p, "main grads (accumulated)": self.grad_bytes * p}
+        # disk: the pinned buffers one unit's states pass through on their way to and from NVMe
+        return {"one unit's staging": max(WEIGHT_BYTES, self.grad_bytes) * unit,
+                "next unit's weights (read-ahead)": WEIGHT_BYTES * unit,
+                "one unit's fp32 masters": MASTER_BYTES * unit}
 
     def disk_parts(self) -> dict[str, float]:
         """NVMe bytes by part (``disk``)."""
         if self.target != "disk":
             return {}
         p = self.total_params
-        return {"bf16 weights": WEIGHT_BYTES * p, "Adam moments": MOMENT_BYTES * p,
+        return {"bf16 weights": WEIGHT_BYTES * p, "fp32 master weights": MASTER_BYTES * p,
+                "main grads (accumulated)": self.grad_bytes * p, "Adam moments": MOMENT_BYTES * p,
                 "moments being written (step)": MOMENT_BYTES * p}
 
     @property
     def pinned(self) -> float:
         """Host bytes in the pinned pool (the bound activations share): what the copies read and write (bf16
-        weights or their staging slots, main grads) and the optimizer's staging chunks."""
+        weights and main grads, or ``disk``'s staging buffers) and the optimizer's staging chunks."""
         parts = self.host_parts()
         chunks = OPTIMIZER_STAGING_CHUNKS[self.target] * OPTIMIZER_CHUNK_BYTES
-        return parts["bf16 weights"] + parts.get("weight staging slots", 0.0) + parts["main grads (accumulated)"] + chunks
+        if self.target == "host":
+            return parts["bf16 weights"] + parts["main grads (accumulated)"] + chunks
+        return sum(parts.values()) + chunks
 
     @property
     def host(self) -> float:
@@ -111,22 +122,21 @@ class StateOffload:
 
     def layer_copies(self, hw: Hardware, fwd_layer_s: float, replay: bool) -> "LayerCopies":
         """One layer's copy and compute times per micro-batch."""
-        pcie = hw.host_gbps * 1e9 * hw.link_efficiency
-        return LayerCopies(weights_in_s=self.weights_in / self.in_bytes_per_s(hw), grads_out_s=self.grads_out / pcie,
+        rate = self.in_bytes_per_s(hw)  # the same bound on the gradients' way out to NVMe (disk)
+        return LayerCopies(weights_in_s=self.weights_in / rate, grads_out_s=self.grads_out / rate,
                            forward_s=fwd_layer_s, backward_s=(3 if replay else 2) * fwd_layer_s)
 
     def other_copies_s(self, hw: Hardware) -> float:
         """The embedding's and output layer's copies per micro-batch (in twice, gradients out), not hidden."""
-        pcie = hw.host_gbps * 1e9 * hw.link_efficiency
-        return (2 * WEIGHT_BYTES * self.other_params / self.in_bytes_per_s(hw)
-                + self.grad_bytes * self.other_params / pcie)
+        rate = self.in_bytes_per_s(hw)
+        return (2 * WEIGHT_BYTES * self.other_params + self.grad_bytes * self.other_params) / rate
 
     def optimizer_step_s(self, hw: Hardware) -> float:
-        """Once a step: the CPU AdamW, and for ``disk`` its moments' and the weights' NVMe traffic."""
+        """Once a step: the CPU AdamW, and for ``disk`` its NVMe traffic (:func:`disk_step_bytes_per_param`)."""
         cpu = self.total_params / HOST_ADAM_PARAMS_PER_S
         if self.target != "disk":
             return cpu
-        return cpu + DISK_STEP_BYTES_PER_PARAM * self.total_params / (hw.nvme_gbps * 1e9)
+        return cpu + disk_step_bytes_per_param(self.grad_bytes) * self.total_params / (hw.nvme_gbps * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)

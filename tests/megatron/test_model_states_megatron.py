@@ -155,6 +155,74 @@ def test_disk_builds_each_layer_into_its_file_and_ddp_buffers_hold_nothing(tmp_p
     run_ranks(1, _built_on_disk_body, str(tmp_path))
 
 
+def _bf16_body(root: str, disk: bool) -> tuple:
+    """Three bf16 steps of the benchmark's Trainer (Megatron's Float16Module, DDP and mixed-precision optimizer,
+    clipping on) at CP=2 ring, with the model states on disk or not: the losses, gradient norms, and each unit's
+    bf16 weights and float32 masters at the end."""
+    from megatron.core import parallel_state
+
+    from megatron_longctx.bench.engine import GPTShape, OptimConfig, Trainer, Variant
+    from megatron_longctx.megatron import cpu_compat
+    from megatron_longctx.megatron.features.base import unwrap
+    from megatron_longctx.megatron.features.model_states import _units
+    from megatron_longctx.megatron.offdevice_optimizer import megatron_optimizers
+    from megatron_longctx.memory.model_state_store import is_placeholder
+    from tests.megatron.test_offdevice_optimizer import SEQ, SMALL, _batches
+
+    options = (("cp_algorithm", "ring"),) + (
+        (("model_state_offload", "disk"), ("offload_disk_dir", root)) if disk else ())
+    with cpu_compat.enabled():
+        trainer = Trainer(GPTShape(**SMALL, seq_length=SEQ, bf16=True),
+                          Variant("p", context_parallel_size=2, plugin=True, longctx_options=options),
+                          OptimConfig(weight_decay=0.1, clip_grad=0.05), 2, 1)
+        in_units = [p for unit in _units(unwrap(trainer.ddp)[0])
+                    for p in (q for m in (unit if isinstance(unit, tuple) else (unit,)) for q in m.parameters())]
+        start = [] if disk else [p.main_param.detach().clone() for p in in_units]
+        kinds = [type(w).__name__ for w in megatron_optimizers(trainer.optimizer)]
+        inner = [type(w.optimizer).__name__ for w in megatron_optimizers(trainer.optimizer)]
+        steps = [trainer.step(i, b) for i, b in enumerate(_batches())]
+        weights, masters = [], []
+        if disk:
+            streamer = trainer.model_states.streamer
+            assert streamer.opts.masters and all(u.mpath for u in streamer.units)
+            # the optimizer's masters hold no values between steps: they are in the files
+            assert all(is_placeholder(p.param.main_param) for u in streamer.units for p in u.params)
+            for i in range(len(streamer.units)):
+                weights += streamer.unit_weights(i)
+                masters += streamer.unit_masters(i)
+        else:
+            weights = [p.detach().clone() for p in in_units]
+            masters = [p.main_param.detach().clone() for p in in_units]
+        trainer.close()
+        parallel_state.destroy_model_parallel()
+    return [s.loss for s in steps], [s.grad_norm for s in steps], weights, masters, kinds, inner, start
+
+
+def test_disk_under_bf16_keeps_float32_masters_on_disk_and_trains_as_megatron(tmp_path) -> None:
+    """bf16 with ``disk``: Megatron's mixed-precision optimizer, its float32 master of each weight a file beside
+    the bf16 weights (the optimizer holds placeholders), stepped unit by unit by the off-device AdamW: three
+    clipped steps at CP=2 give the losses, gradient norms and bf16 weights of the run without the offload bit
+    for bit, and its float32 masters to float32's rounding (measured: one element of one master one rounding
+    step apart; the gradients are the same sums through other buffers, as in float32)."""
+    from tests.dist import run_ranks
+    from tests.megatron.test_offdevice_optimizer import _clipping_runs_on_a_cpu
+
+    if not _clipping_runs_on_a_cpu():
+        pytest.skip("megatron-core 0.16's gradient clipping asserts CUDA tensors on a CPU")
+    ref = run_ranks(2, _bf16_body, str(tmp_path / "none"), False)[0]
+    got = run_ranks(2, _bf16_body, str(tmp_path / "disk"), True)[0]
+    assert ref[4] == got[4] == ["Float16OptimizerWithFloat16Params"] and got[5] == ["OffDeviceAdamW"]
+    assert got[0] == ref[0] and got[1] == ref[1]
+    assert len(got[2]) == len(ref[2]) and len(got[3]) == len(ref[3])
+    moved = 0
+    for w, w_ref, m, m_ref, m_start in zip(got[2], ref[2], got[3], ref[3], ref[6]):
+        assert w.dtype == torch.bfloat16 and m.dtype == torch.float32
+        assert_close(w, w_ref, rtol=0, atol=0)
+        assert_close(m, m_ref, rtol=1.3e-6, atol=0)
+        moved += not torch.equal(m_ref, m_start)
+    assert moved == len(ref[3])  # every master was stepped (not just rounded back from its weight)
+
+
 # ------------------------------------------------------------------ flags and bad input
 def _args(*argv: str):
     import argparse
@@ -201,6 +269,16 @@ def test_bad_input_names_the_flags_and_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match=rf"--longctx-model-state-offload disk: --longctx-offload-disk-dir {locked} "
                                          r"is not writable .*give a directory this user can write"):
         check_after_parsing(_args("--longctx-model-state-offload", "disk", "--longctx-offload-disk-dir", str(locked)))
+    # disk steps float32 or bf16 (masters on disk) parameters; fp16's and --loss-scale's scaling is refused
+    for extra, flag in (({"fp16": True}, "--fp16"), ({"bf16": True, "loss_scale": 1024.0}, "--loss-scale"),
+                        ({"data_parallel_random_init": True}, "--data-parallel-random-init")):
+        args = _args("--longctx-model-state-offload", "disk", "--longctx-offload-disk-dir", str(tmp_path))
+        vars(args).update(extra)
+        with pytest.raises(ValueError, match=rf"--longctx-model-state-offload disk.*{flag}.*--longctx-model-state-offload host"):
+            check_after_parsing(args)
+    args = _args("--longctx-model-state-offload", "disk", "--longctx-offload-disk-dir", str(tmp_path))
+    vars(args).update(bf16=True)
+    check_after_parsing(args)
     # a pool too small for two layer slots: refused with the bytes it needs
     args = _args("--longctx-model-state-offload", "host", "--longctx-offload-host-pool-bytes", str(1 << 20))
     vars(args).update(hidden_size=1536, ffn_hidden_size=4096, num_attention_heads=12, group_query_attention=True,
@@ -260,8 +338,8 @@ def test_cp2_bit_for_bit(algorithm: str, recompute: bool) -> None:
 
 
 def test_bridge_checks_and_training_loops_defer(tmp_path) -> None:
-    """Bridge's configure refuses, by name, ``disk`` with bf16/fp16 (model, optimizer or mixed_precision) or an
-    unwritable directory, and Megatron's ``cpu_offloading`` beside the flag; the installer defers the install
+    """Bridge's configure refuses, by name, ``disk`` with fp16 (model, optimizer or mixed_precision; bf16 and
+    float32 go) or an unwritable directory, and Megatron's ``cpu_offloading`` beside the flag; the installer defers the install
     to the optimizer's build (after DDP), patching ``get_megatron_optimizer`` of Megatron-LM's loop and, once
     Bridge's optimizer module is imported, of Bridge's, each once."""
     import sys
@@ -276,17 +354,19 @@ def test_bridge_checks_and_training_loops_defer(tmp_path) -> None:
     from megatron_longctx.megatron.memory_spec import install_and_report
 
     disk = LongContextConfig.from_flat({"model_state_offload": "disk", "offload_disk_dir": str(tmp_path)})
-    with pytest.raises(ValueError, match=r"model.bf16=True: model_state_offload='disk' steps float32 .*set "
-                                         r"model.bf16=false, or use model_state_offload='host'"):
-        check_model_config(types.SimpleNamespace(bf16=True), disk)
-    check_model_config(types.SimpleNamespace(), disk)
+    with pytest.raises(ValueError, match=r"model.fp16=True: model_state_offload='disk' steps float32 or bf16 .*set "
+                                         r"model.fp16=false .*or use model_state_offload='host'"):
+        check_model_config(types.SimpleNamespace(fp16=True), disk)
+    check_model_config(types.SimpleNamespace(bf16=True), disk)
     fp32 = types.SimpleNamespace(ddp=types.SimpleNamespace(), optimizer=types.SimpleNamespace(bf16=False),
                                  mixed_precision=None)
     check_model_state_training(fp32, disk)
-    for low in (types.SimpleNamespace(ddp=fp32.ddp, optimizer=types.SimpleNamespace(bf16=True)),
-                types.SimpleNamespace(ddp=fp32.ddp, optimizer=fp32.optimizer, mixed_precision="bf16_mixed")):
-        with pytest.raises(ValueError, match=r"model_state_offload='disk' steps float32 .*optimizer.bf16=false"):
-            check_model_state_training(low, disk)
+    check_model_state_training(types.SimpleNamespace(ddp=fp32.ddp, optimizer=types.SimpleNamespace(bf16=True),
+                                                     mixed_precision="bf16_mixed"), disk)
+    for fp16 in (types.SimpleNamespace(ddp=fp32.ddp, optimizer=types.SimpleNamespace(fp16=True)),
+                 types.SimpleNamespace(ddp=fp32.ddp, optimizer=fp32.optimizer, mixed_precision="fp16_mixed")):
+        with pytest.raises(ValueError, match=r"model_state_offload='disk' steps float32 or bf16 .*optimizer.fp16=false"):
+            check_model_state_training(fp16, disk)
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the directory should be
     unwritable = LongContextConfig.from_flat({"model_state_offload": "disk", "offload_disk_dir": str(blocked)})

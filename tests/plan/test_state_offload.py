@@ -16,7 +16,7 @@ from megatron_longctx.plan.flags import HOST_POOL_MARGIN, longctx_flags, megatro
 from megatron_longctx.plan.memory import memory_breakdown
 from megatron_longctx.plan.model import GIB, MemoryOptions, ModelShape, Parallel
 from megatron_longctx.plan.recommend import Constraints, evaluate
-from megatron_longctx.plan.state_offload import DISK_STEP_BYTES_PER_PARAM, HOST_ADAM_PARAMS_PER_S, state_offload
+from megatron_longctx.plan.state_offload import HOST_ADAM_PARAMS_PER_S, disk_step_bytes_per_param, state_offload
 from megatron_longctx.plan.timing import OFFLOAD_CONTENTION, step_time
 from tests.dist import megatron_parallel, run_ranks
 
@@ -60,9 +60,10 @@ def test_streamed_bytes_are_the_built_models_parameters():
         p = built["total"]
         if target == "host":  # bf16 weights + fp32 master + Adam moments + fp32 main grads
             assert so.host == (2 + 4 + 8 + 4) * p and so.disk == 0
-        else:  # master + grads on the host, the two layer slots the weights pass through; weights + moments on NVMe
-            assert so.host == (4 + 4) * p + 2 * 2 * built["largest"]
-            assert so.disk == (2 + 8 + 8) * p  # the step writes the new moments beside the old ones
+        else:  # on the host the pinned buffers one unit passes through: staging (its fp32 grads), read-ahead
+            # (bf16 weights), masters; weights, masters, grads and moments on NVMe
+            assert so.host == (4 + 2 + 4) * built["largest"]
+            assert so.disk == (2 + 4 + 4 + 8 + 8) * p  # the step writes the new moments beside the old ones
     bf16_grads = state_offload(TINY, Parallel(), MemoryOptions(model_state_offload="host", main_grads_dtype="bf16"))
     assert bf16_grads.grads_out == 2 * built["layer"] and bf16_grads.host == (2 + 4 + 8 + 2) * built["total"]
 
@@ -87,18 +88,19 @@ def test_copy_times_and_what_hides_behind_the_layer(target):
         t = step_time(LLAMA8, s, Parallel(), opt, H200, eff=EFF)
         layer = so.layer_copies(H200, t.layer_forward_s, replay=True)
         assert layer.weights_in_s == 2 * so.layer_params / weights_in
-        assert layer.grads_out_s == 4 * so.layer_params / pcie
+        assert layer.grads_out_s == 4 * so.layer_params / weights_in  # to NVMe for disk
         assert layer.backward_s == 3 * t.layer_forward_s  # recompute + backward
         exposed = (max(0.0, layer.weights_in_s - layer.forward_s)
                    + max(0.0, max(layer.weights_in_s, layer.grads_out_s) - layer.backward_s))
         assert layer.exposed_s == exposed
         opt_s = so.total_params / HOST_ADAM_PARAMS_PER_S  # the CPU AdamW, once a step
-        if target == "disk":  # moments read, written and read back, weights written: through NVMe
-            opt_s += (3 * 8 + 2) * so.total_params / (H200.nvme_gbps * 1e9)
-        assert so.optimizer_step_s(H200) == opt_s and DISK_STEP_BYTES_PER_PARAM == 3 * 8 + 2
+        if target == "disk":  # grads read twice, moments read, written and read back, masters and weights
+            # read and written: through NVMe
+            opt_s += (2 * 4 + 3 * 8 + 2 * 4 + 2 * 2) * so.total_params / (H200.nvme_gbps * 1e9)
+        assert so.optimizer_step_s(H200) == opt_s and disk_step_bytes_per_param(4) == 44
         # The step's exposed offload time is the layers' exposed copies + a contention share of all of them +
         # the embedding's and output layer's copies + the optimizer step (no activation offload here).
-        other = (2 * 2 * so.other_params / weights_in + 4 * so.other_params / pcie)
+        other = (2 * 2 * so.other_params + 4 * so.other_params) / weights_in
         want = LLAMA8.num_layers * (exposed + OFFLOAD_CONTENTION * layer.copy_s) + other + opt_s
         assert t.offload_exposed == pytest.approx(want, rel=1e-12)
         assert layer.hidden == (s == 1 << 20)  # short sequences leave the copies exposed, 1M hides them

@@ -80,6 +80,11 @@ class Feature:
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
         raise NotImplementedError
 
+    def building_optimizer(self, installed: Installed) -> contextlib.AbstractContextManager:
+        """For ``waits_for_optimizer`` features: a context Megatron's optimizer is built in over the model they
+        went on (``get_megatron_optimizer``)."""
+        return contextlib.nullcontext()
+
     def wire_optimizer(self, installed: Installed, optimizer: Any, cfg: LongContextConfig) -> Any:
         """For ``waits_for_optimizer`` features: the optimizer built over the model they went on, with their hooks
         (returned; the default leaves it as it is)."""

@@ -38,7 +38,7 @@ from megatron_longctx.config import LongContextConfig
 from megatron_longctx.megatron.features.base import Built, Feature, Installed, unwrap
 from megatron_longctx.memory.host_pool import HostPool
 from megatron_longctx.memory.offload_disk import RunDir, default_root
-from megatron_longctx.memory.model_state_store import stash_weights
+from megatron_longctx.memory.model_state_store import is_placeholder, placeholder, stash_weights
 from megatron_longctx.memory.model_states import FLAG, ModelStateError, ModelStateStreamer, StreamOptions
 from megatron_longctx.patching import patch
 
@@ -107,7 +107,10 @@ class ModelStatesFeature(Feature):
             nonlocal stashed
             module = original(spec, *args, **kwargs)
             if isinstance(module, TransformerLayer):
-                stash_weights(module, run_dir, f"layer{stashed}")
+                config = getattr(module, "config", None)  # Float16Module casts every parameter after the build
+                low = torch.bfloat16 if getattr(config, "bf16", False) else (
+                    torch.float16 if getattr(config, "fp16", False) else None)
+                stash_weights(module, run_dir, f"layer{stashed}", low)
                 stashed += 1
             return module
 
@@ -157,10 +160,12 @@ class ModelStatesFeature(Feature):
         # main_grad after backward, so those stay in host memory with disk
         shared = tuple(i for i, u in enumerate(units) for m in (u if isinstance(u, tuple) else (u,))
                        if any(getattr(p, "shared_embedding", False) for p in m.parameters()))
+        # disk under bf16: Megatron's float32 master copies go to files beside the weights
+        masters = disk_dir is not None and any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
         opts = StreamOptions(target=ms.model_state_offload, device=_device(), pool=pool,
                              disk_dir=disk_dir,
                              slots=ms.model_state_slots, grad_dtype=grad_dtype, accumulate_grad=True,
-                             reduce_group=group, grad_scale=scale, host_grad_units=shared)
+                             reduce_group=group, grad_scale=scale, host_grad_units=shared, masters=masters)
         streamer = ModelStateStreamer(units, opts)
         patches: list[Callable[[], None]] = []
         if ddp is not None:
@@ -176,6 +181,11 @@ class ModelStatesFeature(Feature):
         installed = Installed(patches=patches, description=description, stats=stats, close=streamer.remove)
         installed.streamer = streamer  # type: ignore[attr-defined]
         return installed
+
+    def building_optimizer(self, installed: Installed) -> contextlib.AbstractContextManager:
+        """With float32 masters on disk: Megatron's mixed-precision optimizer is built with its copy of each
+        streamed parameter a float32 placeholder (:class:`_MastersOnDisk`), not the whole model in float32."""
+        return _MastersOnDisk() if installed.streamer.opts.masters else contextlib.nullcontext()
 
     def wire_optimizer(self, installed: Installed, optimizer: Any, cfg: LongContextConfig) -> Any:
         return _optimizer_hooks(installed, installed.streamer, cfg)(optimizer)
@@ -203,13 +213,26 @@ class ModelStatesFeature(Feature):
             if os.environ.get("RANK", "0") == "0":
                 parts = [p for p in (line, f"{self.name}: {installed.description}") if p]
                 print(f"{who}: memory features: {'; '.join(parts)}", flush=True)
-            return self.wire_optimizer(installed, original(config, model_chunks, *args, **kwargs), cfg)
+            with self.building_optimizer(installed):
+                optimizer = original(config, model_chunks, *args, **kwargs)
+            return self.wire_optimizer(installed, optimizer, cfg)
 
         for module in builders:
             patches.append(patch(module, "get_megatron_optimizer",
                                  functools.partial(build, module.get_megatron_optimizer),
                                  reason=f"{FLAG}: install the streamer once DDP has wrapped the model"))
         self.pending = patches
+
+
+class _MastersOnDisk(torch.overrides.TorchFunctionMode):
+    """While Megatron's mixed-precision optimizer is built over parameters streamed from disk: its float32
+    copy of a parameter (``param.detach().clone().float()``) is a float32 placeholder when the parameter is
+    one; the masters' values are in the streamer's files (:meth:`OffDeviceStore.masters_in`)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func in (torch.Tensor.clone, torch.Tensor.float) and args and is_placeholder(args[0]):
+            return placeholder(args[0], dtype=torch.float32 if func is torch.Tensor.float else None)
+        return func(*args, **(kwargs or {}))
 
 
 class _ZerosOnMeta(torch.overrides.TorchFunctionMode):
@@ -327,11 +350,17 @@ def _optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: Lo
 
     def wire(optimizer: Any) -> Any:
         wrappers = offdevice_optimizer.megatron_optimizers(optimizer)
-        for wrapper in wrappers:
-            if type(wrapper).__name__ != "FP32Optimizer":  # the checks before start name the flags
-                raise ValueError(f"{FLAG} disk steps float32 parameters; this run's optimizer is "
-                                 f"{type(wrapper).__name__}: drop --bf16/--fp16 or use {FLAG} host")
         source = _ClippedSource(streamer)
+        for wrapper in wrappers:
+            kind = type(wrapper).__name__
+            mixed = kind == "Float16OptimizerWithFloat16Params" and streamer.opts.masters
+            if mixed and getattr(wrapper, "grad_scaler", None) is None:
+                installed.patches.extend(_masters_streamed(wrapper, source))
+            elif kind != "FP32Optimizer":  # the checks before start name the flags
+                raise ValueError(f"{FLAG} disk steps float32 parameters, or bf16 ones with float32 masters and no "
+                                 f"loss scaling; this run's optimizer is {kind}"
+                                 f"{' with a loss scaler' if mixed else ''}: drop --fp16 and --loss-scale, or use "
+                                 f"{FLAG} host")
         spec = OffDeviceSpec(target="disk", pool=streamer.opts.pool, disk_dir=streamer.opts.disk_dir, source=source)
         moved = offdevice_optimizer.install(optimizer, spec)
         installed.patches.append(moved.remove)
@@ -360,25 +389,94 @@ def _checkpointing_modules() -> list:
 
 class _ClippedSource:
     """The streamer as the optimizer's :class:`~megatron_longctx.memory.offdevice_optimizer.ParamSource`,
-    with Megatron's clipping applied to each unit's gradients as the step brings them in."""
+    with Megatron's clipping applied to each unit's gradients as the step brings them in.  The parameters are
+    those Megatron's optimizer steps: the model's own (float32), or their float32 masters (``main_param``,
+    bf16 with masters on disk), whose gradient is the model parameter's main gradient in float32 as Megatron's
+    ``_copy_model_grads_to_main_grads`` makes it."""
 
     def __init__(self, streamer: ModelStateStreamer) -> None:
         self.streamer = streamer
-        self.ids = {id(p) for ps in streamer.param_groups() for p in ps}
+        self.model_ids = {id(p) for ps in streamer.param_groups() for p in ps}
+        self.groups = [[getattr(p, "main_param", p) for p in ps] for ps in streamer.param_groups()]
+        self.ids = {id(p) for ps in self.groups for p in ps}
         self.clip: Optional[Callable[[list], None]] = None
 
     def param_groups(self) -> list[list[torch.nn.Parameter]]:
-        return self.streamer.param_groups()
+        return self.groups
+
+    @contextlib.contextmanager
+    def unclipped_grads(self, index: int) -> Any:
+        with self.streamer.grads_in(index) as params:
+            mains = [getattr(p, "main_param", None) for p in params]
+            for p, main in zip(params, mains):
+                if main is not None:
+                    main.grad = p.main_grad.float()
+            try:
+                yield [p if main is None else main for p, main in zip(params, mains)]
+            finally:
+                for main in mains:
+                    if main is not None:
+                        main.grad = None
 
     @contextlib.contextmanager
     def grads_in(self, index: int) -> Any:
-        with self.streamer.grads_in(index) as params:
+        with self.unclipped_grads(index) as params:
             if self.clip is not None and params:
                 self.clip(params)
             yield params
 
     def weights_in(self, index: int) -> Any:
-        return self.streamer.weights_in(index)
+        if self.streamer.units[index].mpath is None:
+            return self.streamer.weights_in(index)
+        return self._masters_in(index)
+
+    @contextlib.contextmanager
+    def _masters_in(self, index: int) -> Any:
+        """The unit's masters (and its float32 weights) as the optimizer's parameters; the weights are written
+        back rounded from the masters at the end (:meth:`OffDeviceStore.masters_in`)."""
+        u = self.streamer.units[index]
+        with self.streamer.masters_in(index) as pairs:
+            out = []
+            for p, (weight, master) in zip(u.params, pairs):
+                target = p.param if master is None else p.param.main_param
+                target.data = weight if master is None else master
+                out.append(target)
+            try:
+                yield out
+            finally:
+                for p, (_, master) in zip(u.params, pairs):
+                    if master is not None:
+                        p.param.main_param.data = placeholder(p.param, torch.device("cpu"), torch.float32)
+                self.streamer._point_off_device(u)
+
+
+def _masters_streamed(wrapper: Any, source: _ClippedSource) -> list[Callable[[], None]]:
+    """Megatron's mixed-precision optimizer over parameters whose masters are on disk: its copies between the
+    model's parameters and their masters skip the streamed ones (the step brings their gradients in and writes
+    their weights back rounded from the masters)."""
+    streamed = source.model_ids
+
+    def copy_model_grads_to_main_grads() -> None:  # Megatron's, for the parameters not streamed
+        for model_group, main_group in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                if id(model_param) not in streamed:
+                    grad = model_param.main_grad if hasattr(model_param, "main_grad") else model_param.grad
+                    main_param.grad = None if grad is None else grad.float()
+                model_param.grad = None
+        for model_group in wrapper.fp32_from_fp32_groups:
+            for model_param in model_group:
+                if id(model_param) not in streamed:
+                    model_param.grad = model_param.main_grad
+
+    def copy_main_params_to_model_params() -> None:
+        for model_group, main_group in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                if id(model_param) not in streamed:
+                    model_param.data.copy_(main_param.data)
+
+    why = f"{FLAG} disk: the float32 masters of streamed parameters are in files"
+    return [patch(wrapper, "_copy_model_grads_to_main_grads", copy_model_grads_to_main_grads, reason=why).undo,
+            patch(wrapper, "_copy_main_params_to_model_params", copy_main_params_to_model_params, reason=why).undo]
 
 
 def _streamed_clipping(wrappers: list, source: _ClippedSource) -> list[Callable[[], None]]:
@@ -403,8 +501,8 @@ def _streamed_clipping(wrappers: list, source: _ClippedSource) -> list[Callable[
                            **kwargs: Any) -> list[torch.Tensor]:
             kept = {id(g) for g in original(*args, **kwargs)}  # parameters not streamed: their gradients
             norms: dict[int, torch.Tensor] = {}
-            for i, params in enumerate(source.param_groups()):
-                with source.streamer.grads_in(i):
+            for i in range(len(source.param_groups())):
+                with source.unclipped_grads(i) as params:
                     owner = {id(p.grad): p for p in params if p.grad is not None}
                     for g in original(*args, **kwargs):  # Megatron's filter: not shared, no TP duplicate
                         norms[id(owner[id(g)])] = torch.norm(g).reshape(1).to(device)
@@ -460,16 +558,24 @@ def _materialized(streamer: ModelStateStreamer, store: bool) -> Any:
     ``main_grad``; afterwards (``store``: the call may have changed them, as a load does) the weights are
     written back to the files."""
     for i, u in enumerate(streamer.units):
-        for p, w, g in zip(u.params, streamer.unit_weights(i), streamer.unit_grads(i)):
+        for p, w, g, m in zip(u.params, streamer.unit_weights(i), streamer.unit_grads(i), streamer.unit_masters(i)):
             p.param.data = w
             if g is not None:
                 p.param.main_grad = g
+            if m is not None:  # Megatron's float32 master, in its optimizer's state dict
+                p.param.main_param.data = m
     try:
         yield
     finally:
         for i, u in enumerate(streamer.units):
             if store:
                 streamer.store_weights(i, [p.param.data for p in u.params])
+                if u.mpath is not None:
+                    streamer.store_masters(i, [p.param.main_param.data if p.moffset >= 0 else None
+                                               for p in u.params])
+            for p in u.params:
+                if u.mpath is not None and p.moffset >= 0:
+                    p.param.main_param.data = placeholder(p.param, torch.device("cpu"), torch.float32)
             streamer._point_off_device(u)
 
 
