@@ -29,7 +29,8 @@ Sections (each with its own time budget; an error in one is recorded and the nex
   rows streamed, peak, and the share of the copy time hidden behind compute;
 * ``model_states`` — a Llama-shaped GPTModel trained plain and with its weights and gradients streamed layer
   by layer through device slots from pinned host memory (``--longctx-model-state-offload host``): gradients,
-  the peak against the slots plus the plain step's non-state memory, and the share of the copies hidden;
+  the peak against the slots plus the plain step's non-state memory, and the share of the copies hidden; then
+  streamed from files (``disk``): gradients, and every load after each pass's first read ahead;
 * ``max_seq`` — a numerics check of every memory feature against none, then the longest sequence one GPU
   trains for a Llama-3-8B-shaped stack of two layers with every feature on.
 
@@ -199,11 +200,13 @@ def _summary(name: str, r: dict) -> str:
                     f"{r['plain_s']:.2f} -> {r['offload_s']:.2f} s, {copy_summary(r)}")
         return f"grads max rel err {r['grad_max_rel_err']:.1e}; {r.get('note', '')}"
     if name == "model_states":
+        disk = (f"disk: grads {r['disk_grad_max_rel_err']:.1e}, {r['disk_s']:.3f} s, "
+                f"{r['disk_reads_ahead_used']}/{r['disk_loads']} loads read ahead")
         if "streamed_peak_gib" in r:
             return (f"grads max rel err {r['grad_max_rel_err']:.1e}; peak {r['plain_peak_gib']:.2f} -> "
                     f"{r['streamed_peak_gib']:.2f} GiB (bound {r['bound_gib']:.2f}); time {r['plain_s']:.3f} -> "
-                    f"{r['streamed_s']:.3f} s, {copy_summary(r)}")
-        return f"grads max rel err {r['grad_max_rel_err']:.1e}; {r.get('note', '')}"
+                    f"{r['streamed_s']:.3f} s, {copy_summary(r)}; {disk}")
+        return f"grads max rel err {r['grad_max_rel_err']:.1e}; {disk}; {r.get('note', '')}"
     if name == "gpt_step":
         return f"loss rel err {r['step1']['loss_rel_err']:.1e}, grads {r['step1']['grad_max_rel_err']:.1e}"
     if name == "tiled_replay":

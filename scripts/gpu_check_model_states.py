@@ -2,11 +2,14 @@
 and gradients streamed layer by layer through device slots from pinned host memory
 (``--longctx-model-state-offload host``): equal gradients, the device's peak below the plain step's and within
 the slots plus what the plain step holds besides its weights, and the share of the copy time hidden behind compute.
+Then the same step streamed from files (``disk``): equal gradients, every load after each pass's first served
+by the reader thread's read-ahead (its copy into the slot from pinned memory without blocking).
 """
 
 from __future__ import annotations
 
 import gc
+import tempfile
 import time
 from typing import Any
 
@@ -55,7 +58,7 @@ def section_model_states(device: torch.device, sizes: Sizes, budget: Budget) -> 
 
     dtype = dtype_for(device)
     shape, seq = sizes.offload_model, max(sizes.offload_seq // 4, 64)
-    out: dict[str, Any] = {"shape": shape, "seq": seq, "dtype": str(dtype), "target": "host"}
+    out: dict[str, Any] = {"shape": shape, "seq": seq, "dtype": str(dtype), "targets": ["host", "disk"]}
     with single_rank_megatron(device):
         tokens, pos = batch(shape, seq, device)
         model, _ = build_gpt(shape, seq, dtype, {})
@@ -91,13 +94,46 @@ def section_model_states(device: torch.device, sizes: Sizes, budget: Budget) -> 
             twice = _streamed_step(model, streamer, units, tokens, pos, device, accumulate=True)
         finally:
             streamer.remove()
+    if budget.left() <= 0:
+        raise BudgetSkip("time budget (before the disk step)")
+    with single_rank_megatron(device), tempfile.TemporaryDirectory(prefix="gpu-check-states-") as root:
+        model, _ = build_gpt(shape, seq, dtype, {})
+        model = model.to(device)
+        units = _units(model)
+        opts = StreamOptions(target="disk", device=device, pool=HostPool(64 << 30, pin=device.type == "cuda"),
+                             disk_dir=root, grad_dtype=dtype)
+        disk_streamer = ModelStateStreamer([u for _, u in units], opts)
+        try:
+            _streamed_step(model, disk_streamer, units, tokens, pos, device)  # warm-up
+
+            def counts() -> tuple:
+                return disk_streamer.reads_ahead_used, disk_streamer.prefetches, disk_streamer.loads
+
+            before = counts()
+            disk = _streamed_step(model, disk_streamer, units, tokens, pos, device)
+            ahead = tuple(b - a for a, b in zip(before, counts()))
+        finally:
+            disk_streamer.remove()
+        del model
+        gc.collect()
+    disk_cmp = compare(plain, disk["result"])
+    out.update(disk_s=disk["seconds"], disk_grad_max_rel_err=disk_cmp["grad_max_rel_err"],
+               disk_loss_rel_err=disk_cmp["loss_rel_err"], disk_reads_ahead_used=ahead[0],
+               disk_reads_ahead=ahead[1], disk_loads=ahead[2])
+    if device.type == "cuda":
+        out["disk_peak_gib"] = disk["peak_bytes"] / 2**30
     out.update(compare(plain, run["result"]))
     doubled = compare((plain[0], {n: 2 * g for n, g in plain[1].items()}), twice["result"])
     out["accumulated_grad_max_rel_err"] = doubled["grad_max_rel_err"]
     # the same kernels on the same weights; bf16 backward on a GPU is not bitwise repeatable (atomics)
     tol = 1e-6 if dtype == torch.float32 else 3e-2
-    grads_ok = (max(out["grad_max_rel_err"], out["accumulated_grad_max_rel_err"], out["loss_rel_err"]) <= tol
-                and not out["grad_keys_differ"] and not doubled["grad_keys_differ"])
+    grads_ok = (max(out["grad_max_rel_err"], out["accumulated_grad_max_rel_err"], out["loss_rel_err"],
+                    out["disk_grad_max_rel_err"], out["disk_loss_rel_err"]) <= tol
+                and not out["grad_keys_differ"] and not doubled["grad_keys_differ"]
+                and not disk_cmp["grad_keys_differ"])
+    # disk: one load per unit for the forward and one for the backward, all but each pass's first read ahead
+    n = len(units)
+    grads_ok = grads_ok and ahead == (2 * (n - 1), 2 * (n - 1), 2 * n)
     out.update(plain_s=plain_s, streamed_s=run["seconds"], slots_bytes=streamer.capacity,
                peak_resident_bytes=streamer.peak_resident, weights_bytes=weights, copied_bytes_per_step=moved)
     if device.type == "cuda":
