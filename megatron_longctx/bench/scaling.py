@@ -109,14 +109,14 @@ SERIES = {s.name: s for s in (
 # ----------------------------------------------------------------------------------------- arguments
 def _token_list(flag: str) -> Callable[[str], list[int]]:
     """A parser of ``16K,64K,1M`` (integers, or with K/M) whose errors name ``flag``."""
-    from megatron_longctx.plan.cli import _tokens
+    from megatron_longctx.plan.model import parse_tokens
 
     def parse(text: str) -> list[int]:
         try:
-            values = [_tokens(t) for t in text.split(",") if t.strip()]
-        except argparse.ArgumentTypeError:
+            values = [parse_tokens(t) for t in text.split(",") if t.strip()]
+        except ValueError:
             values = []
-        if not values:
+        if not values or min(values) < 1:
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: give comma-separated token counts, e.g. 16K,64K,1M")
         return sorted(set(values))
     return parse

@@ -179,8 +179,7 @@ def check_model_state_training(cfg: Any, longctx: LongContextConfig) -> None:
     (the streamer reduces each layer's gradients itself, over buffers the distributed optimizer would shard);
     for ``disk``, a float32 optimizer and a directory the files can be written to."""
     if longctx.model_states.model_state_offload == "disk":
-        from megatron_longctx.memory.model_state_checks import check_disk_dir
-        from megatron_longctx.memory.offload_disk import default_root
+        from megatron_longctx.megatron.features.model_states import check_disk_dir
 
         mixed = getattr(cfg, "mixed_precision", None)
         fp16 = ("fp16" in mixed if isinstance(mixed, str)
@@ -190,7 +189,7 @@ def check_model_state_training(cfg: Any, longctx: LongContextConfig) -> None:
                              "fp16's loss scaling checks every gradient at once: set optimizer.fp16=false (a bf16 "
                              "or float32 mixed_precision), or use model_state_offload='host'")
         try:
-            check_disk_dir(default_root(longctx.memory))
+            check_disk_dir(longctx)
         except ValueError as err:
             raise ValueError(f"{PREFIX}: {err}") from None
     for section, name, fix in (("ddp", "use_distributed_optimizer", "false"),

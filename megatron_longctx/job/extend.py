@@ -32,10 +32,10 @@ from typing import Any, NamedTuple, Optional
 
 from megatron_longctx.job import checkpoint_guard as guard
 from megatron_longctx.job import mix as mix_mod
+from megatron_longctx.plan.model import parse_tokens
 
 EXIT_BAD_ARGS = 2
 STAGES_EXAMPLE = "8K:200,32K:100,128K:50"
-parse_length = mix_mod.parse_length
 
 
 class Stage(NamedTuple):
@@ -49,7 +49,7 @@ class Stage(NamedTuple):
 def _parse_stage(text: str, item: str) -> Stage:
     head, at, tail = item.partition("@")
     try:
-        stage = Stage(*mix_mod.pair(head, parse_length, int))
+        stage = Stage(*mix_mod.pair(head, parse_tokens, int))
     except ValueError:
         raise ValueError(f"--stages {text!r}: {item!r} is not LENGTH:STEPS[@SHORT:FRACTION]; write e.g. --stages "
                          f"{STAGES_EXAMPLE}, or 1M:100@4K:0.5 for half the steps on 4K-token batches") from None

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any, Callable, Optional
 
+from megatron_longctx.plan.model import parse_tokens
+
 FLAG = "--mix-short"
-_UNITS = {"": 1, "K": 1024, "M": 1024 ** 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,14 +32,6 @@ class Mix:
         return f"{self.short}:{self.fraction:g}"
 
 
-def parse_length(text: str) -> int:
-    """``"4K"`` -> 4096, ``"1M"`` -> 1048576, ``"300"`` -> 300; ``ValueError`` otherwise."""
-    match = re.fullmatch(r"(\d+)([KkMm]?)", text.strip())
-    if not match:
-        raise ValueError(text)
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
-
-
 def pair(text: str, first: Callable[[str], Any], second: Callable[[str], Any]) -> tuple:
     """``"A:B"`` as ``(first(A), second(B))``; ``ValueError`` when it is not of that shape."""
     a, sep, b = text.partition(":")
@@ -51,7 +43,7 @@ def pair(text: str, first: Callable[[str], Any], second: Callable[[str], Any]) -
 def parse(text: str, flag: str = FLAG) -> Mix:
     """``"4K:0.5"`` -> ``Mix(4096, 0.5)``; ``ValueError`` naming ``flag`` and the fix."""
     try:
-        mix = Mix(*pair(text, parse_length, float))
+        mix = Mix(*pair(text, parse_tokens, float))
     except ValueError:
         raise ValueError(f"{flag} {text!r} is not SHORT:FRACTION; write e.g. 4K:0.5 (half the steps on "
                          "4,096-token sequences)") from None

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from . import presets
 from .efficiency import ATTENTION_BACKENDS, load_calibration, resolve
 from .flops import model_flops
-from .model import GIB, GRAD_DTYPES, MODEL_STATE_TARGETS, ModelShape
+from .model import GIB, GRAD_DTYPES, MODEL_STATE_TARGETS, ModelShape, parse_tokens
 from .recommend import recommend
 from .search import CP_COMM_TYPES, Constraints, Plan, PlanInfeasible, describe
 from .state_offload import state_offload
@@ -63,13 +63,11 @@ def _number(flag: str, *, minimum: float = 0.0, inclusive: bool = False, maximum
 
 
 def _tokens(text: str) -> int:
-    """``131072``, ``128K``/``128k`` (×1024), ``1M`` (×1024²)."""
-    t = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
     try:
-        value = int(float(t[:-1] if scale > 1 else t) * scale)
+        value = parse_tokens(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--seq-length {text!r}: give tokens as an integer, or with K/M") from None
+        raise argparse.ArgumentTypeError(f"--seq-length {text!r}: give tokens as an integer, or with K/M (e.g. "
+                                         "131072, 128K, 1M)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"--seq-length {text!r}: must be positive")
     return value

@@ -17,6 +17,19 @@ import dataclasses
 from typing import Optional
 
 GIB = 1 << 30
+_TOKEN_UNITS = {"K": 1 << 10, "M": 1 << 20}
+
+
+def parse_tokens(text: str) -> int:
+    """A token count as users write one: ``131072``, ``128K``/``128k`` (×1024), ``1M`` or ``1.5M`` (×1024²);
+    ``ValueError`` unless it is a whole number of tokens (the caller checks its range)."""
+    t = text.strip().upper()
+    scale = _TOKEN_UNITS.get(t[-1:], 1)
+    number = float(t[:-1] if scale > 1 else t)  # ValueError for anything else
+    value = number * scale
+    if not value.is_integer() or "E" in t or "N" in t:  # no 1e3, nan or inf spellings
+        raise ValueError(text)
+    return int(value)
 ATTENTION_IMPLS = ("flash", "local")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "checkpoint", "layers")
@@ -29,7 +42,7 @@ OPTIMIZER_HOST_BYTES_PER_PARAM = 16
 # Model-state offload (--longctx-model-state-offload, docs/model-state-offload.md): per parameter, off the GPU.
 MODEL_STATE_TARGETS = ("host", "disk")
 WEIGHT_BYTES = 2  # bf16 weights (the off-device copy the layers stream from)
-MASTER_BYTES = 4  # fp32 master weights (Megatron's mixed-precision optimizer's copies, on the host)
+MASTER_BYTES = 4  # fp32 master weights (Megatron's mixed-precision optimizer's copies)
 MOMENT_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32 (host memory, or the moments file on disk)
 # TE's FP8 GEMMs cache an FP8 copy of each weight and, on Hopper, its transpose (1 byte each).
 FP8_WEIGHT_CACHE_BYTES = 2

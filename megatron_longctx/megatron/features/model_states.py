@@ -49,6 +49,14 @@ BRIDGE_OPTIMIZER_MODULES = ("megatron.bridge.training.optim",)
 BRIDGE_CHECKPOINTING = "megatron.bridge.training.checkpointing"  # Bridge's save_checkpoint / load_checkpoint
 
 
+def check_disk_dir(cfg: LongContextConfig) -> None:
+    """The directory ``disk``'s files go under (``--longctx-offload-disk-dir``, or its default) can be written;
+    ``ValueError`` naming the flag and the fix otherwise."""
+    from megatron_longctx.memory.model_state_checks import check_disk_dir as check
+
+    check(default_root(cfg.memory))
+
+
 def _units(chunk: torch.nn.Module, norm_with_output: bool = False) -> list[Any]:
     """The units of one (unwrapped) GPT chunk in the order its forward uses them.  ``norm_with_output``: the
     decoder's final norm is in the output layer's unit (the tiled loss with recompute runs it inside the output
