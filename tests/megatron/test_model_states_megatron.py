@@ -5,6 +5,7 @@ refused naming the flags, Bridge's configuration and the training loops' deferre
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -28,29 +29,32 @@ def _same_losses(ref, model, b: dict, tokens: torch.Tensor) -> None:
     assert_close(losses[1], losses[0], rtol=0, atol=0)
 
 
-def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1, loss_recompute: bool = False) -> None:
+def _seeded_gpt(**config: Any) -> Any:
+    """A 3-layer GPTModel (Megatron's local spec, RoPE, untied), the same weights on every call."""
     import warnings
 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from tests.gpt_kit import SEQ, VOCAB, local_spec, tiny_config
+
+    torch.manual_seed(3)
+    model_parallel_cuda_manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GPTModel(tiny_config(num_layers=3, **config), local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                        position_embedding_type="rope", share_embeddings_and_output_weights=False)
+
+
+def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1, loss_recompute: bool = False) -> None:
     from tests.dist import megatron_parallel
-    from tests.gpt_kit import SEQ, VOCAB, batch, cpu, local_spec, tiny_config
+    from tests.gpt_kit import batch, cpu
     from tests.memory.test_model_states import same_states
 
     extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
         if recompute else {}
     with cpu(), megatron_parallel():
-        def build():
-            torch.manual_seed(3)
-            model_parallel_cuda_manual_seed(3)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return GPTModel(tiny_config(num_layers=3, **extra), local_spec(), vocab_size=VOCAB,
-                                max_sequence_length=SEQ, position_embedding_type="rope",
-                                share_embeddings_and_output_weights=False)
-
-        ref, model = build(), build()
+        ref, model = _seeded_gpt(**extra), _seeded_gpt(**extra)
         if loss_tiles > 1:  # the loss runs inside the output layer's call, where its weights are in a slot
             from megatron_longctx.megatron.tiled_loss import install_tiled_loss
 
@@ -89,33 +93,21 @@ def test_megatron_gpt_bit_for_bit(recompute: bool, target: str, loss_tiles: int,
 
 
 def _built_on_disk_body(disk_dir: str) -> None:
-    import warnings
-
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_longctx.config import LongContextConfig
     from megatron_longctx.megatron.features.base import Built
     from megatron_longctx.megatron.features.model_states import FEATURE, _units, _unbacked_grad_buffers
     from megatron_longctx.memory.model_state_store import STASHED
     from tests.dist import megatron_parallel
-    from tests.gpt_kit import SEQ, VOCAB, batch, cpu, local_spec, tiny_config
+    from tests.gpt_kit import batch, cpu
     from tests.memory.test_model_states import same_states
 
     cfg = LongContextConfig.from_flat({"model_state_offload": "disk", "offload_disk_dir": disk_dir})
     with cpu(), megatron_parallel():
-        def build():
-            torch.manual_seed(3)
-            model_parallel_cuda_manual_seed(3)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return GPTModel(tiny_config(num_layers=3), local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                                position_embedding_type="rope", share_embeddings_and_output_weights=False)
-
-        ref = build()
+        ref = _seeded_gpt()
         with FEATURE.building(cfg):
-            model = build()
+            model = _seeded_gpt()
         # every layer's weights went to their file as it was built: no layer holds them in memory
         files = []
         for layer in model.decoder.layers:
