@@ -129,7 +129,7 @@ def test_unit_by_unit_clipping_scales_as_megatron(total_norm):
         pytest.skip("megatron-core 0.16's gradient clipping asserts CUDA tensors on a CPU")
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    from megatron_longctx.megatron.features.model_states import _scale_as_megatron
+    from megatron_longctx.megatron.features.model_state_step import _scale_as_megatron
     from tests.gpt_kit import cpu
 
     g = torch.Generator().manual_seed(0)
