@@ -170,17 +170,16 @@ def walltime_row(shape: dict, repeats: int) -> dict:
 
 def _print_tables(balance: list[dict], wire: list[dict], wall: dict) -> None:
     print("\n1. Forward attention FLOPs per rank (from the executed schedule), causal, 1024-token chunks")
-    print(f"{'cp':>3} {'configuration':<32} {'max/mean':>9} {'ring transfers':>15}")
-    for row in balance:
-        transfers = row.get("ring_transfers", "")
-        print(f"{row['cp']:>3} {row['config']:<32} {row['max_over_mean']:>9.3f} {transfers:>15}")
+    print(harness.table([("cp", lambda r: r["cp"], "d"), ("configuration", lambda r: r["config"], ""),
+                         ("max/mean", lambda r: r["max_over_mean"], ".3f"),
+                         ("ring transfers", lambda r: r.get("ring_transfers", ""), "")], balance))
     print("\n2. Bytes sent per rank per layer (bf16, b=1, hq=8, hkv=2, d=64, 256 tokens per rank)")
-    print(f"{'cp':>3} {'algorithm':<12} {'fwd measured':>13} {'fwd formula':>12} {'ratio':>6} "
-          f"{'bwd measured':>13} {'bwd/fwd':>8}")
-    for row in wire:
-        ratio = row["fwd_bytes"] / row["anchor_fwd_bytes"]
-        print(f"{row['cp']:>3} {row['algorithm']:<12} {row['fwd_bytes']:>13,} {row['anchor_fwd_bytes']:>12,.0f} "
-              f"{ratio:>6.2f} {row['bwd_bytes']:>13,} {row['bwd_bytes'] / row['fwd_bytes']:>8.2f}")
+    print(harness.table([("cp", lambda r: r["cp"], "d"), ("algorithm", lambda r: r["algorithm"], ""),
+                         ("fwd measured", lambda r: r["fwd_bytes"], ","),
+                         ("fwd formula", lambda r: r["anchor_fwd_bytes"], ",.0f"),
+                         ("ratio", lambda r: r["fwd_bytes"] / r["anchor_fwd_bytes"], ".2f"),
+                         ("bwd measured", lambda r: r["bwd_bytes"], ","),
+                         ("bwd/fwd", lambda r: r["bwd_bytes"] / r["fwd_bytes"], ".2f")], wire))
     print("\n3. Forward + backward wall time, causal, float32, "
           + ", ".join(f"{k}={v}" for k, v in wall["shape"].items()))
     print(f"   {'':<40} {'wall s':>8} {'CPU s':>8}   (medians; CPU s: all threads / ranks)")

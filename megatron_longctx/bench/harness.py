@@ -1,5 +1,6 @@
-"""What every benchmark shares: the environment record written beside its figures, the timing median and
-the JSON writer (torch is imported on use, so the benchmarks that only start processes stay without it)."""
+"""What every benchmark shares: the environment record written beside its figures, the timing median, the
+JSON writer and the text table (torch is imported on use, so the benchmarks that only start processes stay
+without it)."""
 
 from __future__ import annotations
 
@@ -69,4 +70,21 @@ def write_json(path: str, payload: dict[str, Any], default: Optional[Callable[[A
     print(f"wrote {path}")
 
 
-__all__ = ["environment", "loadavg", "median_seconds", "write_json"]
+# A table column: its header, the cell's value from a row, the value's format spec ("" for text).
+Column = tuple[str, Callable[[dict[str, Any]], Any], str]
+
+
+def table(columns: list[Column], rows: list[dict[str, Any]]) -> str:
+    """``rows`` as an aligned text table under ``columns``' headers: each column as wide as its widest cell,
+    text left-aligned and numbers right-aligned."""
+    cells = [[format(get(r), spec) for _, get, spec in columns] for r in rows]
+    text = [bool(rows) and all(isinstance(get(r), str) for r in rows) for _, get, _ in columns]
+    widths = [max([len(header)] + [len(c[i]) for c in cells]) for i, (header, _, _) in enumerate(columns)]
+
+    def line(values: list[str]) -> str:
+        return " ".join(v.ljust(w) if left else v.rjust(w) for v, w, left in zip(values, widths, text)).rstrip()
+
+    return "\n".join([line([header for header, _, _ in columns])] + [line(c) for c in cells])
+
+
+__all__ = ["Column", "environment", "loadavg", "median_seconds", "table", "write_json"]

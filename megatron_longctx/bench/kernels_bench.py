@@ -128,10 +128,9 @@ def window_table(lengths, window: int, repeats: int) -> list[dict]:
 
 
 def print_window_table(rows: list[dict]) -> None:
-    print(f"{'tokens':>8} {'mask':<18} {'fwd ms':>10} {'bwd ms':>10} {'µs/token':>10}")
-    for r in rows:
-        print(f"{r['tokens']:>8} {r['mask']:<18} {r['fwd_s'] * 1e3:>10.1f} {r['bwd_s'] * 1e3:>10.1f} "
-              f"{r['us_per_token']:>10.2f}")
+    print(harness.table([("tokens", lambda r: r["tokens"], "d"), ("mask", lambda r: r["mask"], ""),
+                         ("fwd ms", lambda r: r["fwd_s"] * 1e3, ".1f"), ("bwd ms", lambda r: r["bwd_s"] * 1e3, ".1f"),
+                         ("µs/token", lambda r: r["us_per_token"], ".2f")], rows))
 
 
 def main(argv: list[str] | None = None) -> None:

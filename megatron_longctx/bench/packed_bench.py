@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable
 
 import torch
 
@@ -116,15 +117,19 @@ def main(argv: list[str] | None = None) -> None:
         for name, case in (("packed", lengths), ("dense, same pairs", [dense_len])):
             r = measure(case, mask, backend, opts.repeats, opts.heads, opts.kv_heads, opts.head_dim, dtype)
             rows.append({"backend": backend, "case": name, **r})
-    print(f"{'backend':>10} {'case':>18} {'docs':>5} {'tokens':>8} {'Mpairs':>8} {'fwd calls':>10} "
-          f"{'bwd calls':>10} {'s':>8} {'ns/pair':>9} {'vs dense':>9}")
     for r in rows:
         dense = next(x for x in rows if x["backend"] == r["backend"] and x["case"] != "packed")
-        c = r["backend_calls"]
         r["packed_over_dense"] = r["ns_per_pair"] / dense["ns_per_pair"]
-        print(f"{r['backend']:>10} {r['case']:>18} {r['docs']:>5} {r['tokens']:>8} {r['pairs'] / 1e6:>8.2f} "
-              f"{c['forward_blocks'] or c['forward']:>10} {c['backward_blocks'] or c['backward']:>10} "
-              f"{r['seconds']:>8.3f} {r['ns_per_pair']:>9.1f} {r['packed_over_dense']:>9.2f}")
+
+    def calls(kind: str) -> Callable[[dict], int]:
+        return lambda r: r["backend_calls"][f"{kind}_blocks"] or r["backend_calls"][kind]
+
+    print(harness.table([("backend", lambda r: r["backend"], ""), ("case", lambda r: r["case"], ""),
+                         ("docs", lambda r: r["docs"], "d"), ("tokens", lambda r: r["tokens"], "d"),
+                         ("Mpairs", lambda r: r["pairs"] / 1e6, ".2f"), ("fwd calls", calls("forward"), "d"),
+                         ("bwd calls", calls("backward"), "d"), ("s", lambda r: r["seconds"], ".3f"),
+                         ("ns/pair", lambda r: r["ns_per_pair"], ".1f"),
+                         ("vs dense", lambda r: r["packed_over_dense"], ".2f")], rows))
     meta = harness.environment(dtype=opts.dtype, heads=opts.heads, kv_heads=opts.kv_heads, head_dim=opts.head_dim,
                                repeats=opts.repeats)
     harness.write_json(opts.json, {"meta": meta, "rows": rows})

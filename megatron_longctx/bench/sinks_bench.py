@@ -83,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     rows = [measure(s, args.heads, args.kv_heads, args.head_dim, dtype, device, args.repeats, args.backend)
             for s in args.seq]
-    print(f"{'tokens':>8} {'attention ms':>13} {'with sinks ms':>14} {'sink alone ms':>14} {'sink share':>11}")
-    for r in rows:
-        print(f"{r['seq']:>8} {1e3 * r['attention_s']:>13.2f} {1e3 * r['with_sinks_s']:>14.2f} "
-              f"{1e3 * r['sink_alone_s']:>14.3f} {r['sink_share_pct']:>10.2f}%")
+    print(harness.table([("tokens", lambda r: r["seq"], "d"),
+                         ("attention ms", lambda r: 1e3 * r["attention_s"], ".2f"),
+                         ("with sinks ms", lambda r: 1e3 * r["with_sinks_s"], ".2f"),
+                         ("sink alone ms", lambda r: 1e3 * r["sink_alone_s"], ".3f"),
+                         ("sink share %", lambda r: r["sink_share_pct"], ".2f")], rows))
     if args.json:
         harness.write_json(args.json, {"meta": harness.environment(), "rows": rows})
     return 0

@@ -1,4 +1,4 @@
-"""The benchmarks' shared environment record and JSON writer."""
+"""The benchmarks' shared environment record, JSON writer and text table."""
 
 import json
 import platform
@@ -32,3 +32,13 @@ def test_median_seconds_warms_up_once_then_times_each_repeat():
     calls.clear()
     harness.median_seconds(lambda: calls.append(1), 3, warm_up=False)
     assert len(calls) == 3
+
+
+def test_table_aligns_text_left_and_numbers_right_each_column_as_wide_as_its_widest_cell():
+    rows = [{"name": "ring", "seconds": 1.5, "calls": 12}, {"name": "allgather", "seconds": 10.25, "calls": 3}]
+    out = harness.table([("algorithm", lambda r: r["name"], ""), ("s", lambda r: r["seconds"], ".2f"),
+                         ("calls", lambda r: r["calls"], "d")], rows)
+    assert out.splitlines() == ["algorithm     s calls",
+                                "ring       1.50    12",
+                                "allgather 10.25     3"]
+    assert harness.table([("a", lambda r: r["a"], "d")], []) == "a"  # no rows: the header alone
