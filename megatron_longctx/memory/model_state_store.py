@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from megatron_longctx.memory.host_pool import HostPool
-from megatron_longctx.memory.model_state_units import Unit, view
+from megatron_longctx.memory.model_state_units import Unit, pack, view
 from megatron_longctx.memory.offload_disk import DiskOffloadError, RunDir, read_file, write_file
 
 FLAG = "--longctx-model-state-offload"
@@ -58,10 +58,7 @@ def stash_weights(module: torch.nn.Module, run_dir: RunDir, name: str, dtype: Op
             if p.dtype != dtype:
                 p.data = p.data.to(dtype)
     u = Unit(-1, module, None)
-    data = torch.zeros(u.nbytes, dtype=torch.uint8)
-    for p in u.params:
-        src = p.param.data.reshape(-1).view(torch.uint8)
-        data[p.offset:p.offset + src.numel()].copy_(src)
+    data = pack(u, torch.zeros(u.nbytes, dtype=torch.uint8))
     path = os.path.join(run_dir.path, f"{name}.w")
     _write_or_explain(data, path, f"{name}'s weights")
     for p in u.params:
@@ -169,9 +166,7 @@ class OffDeviceStore:
             else:
                 dst = u.host if u.host is not None else self._staging
                 assert dst is not None
-                for p in u.params:
-                    src = p.param.data.reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes
-                    dst[p.offset:p.offset + src.numel()].copy_(src)
+                pack(u, dst)
                 if u.path is not None:
                     self._write(dst[:u.nbytes], u.path, f"unit {u.index}'s weights")
             if self._mstaging is not None and u.mbytes:
@@ -274,9 +269,14 @@ class OffDeviceStore:
             data = torch.zeros(u.gbytes, dtype=torch.uint8)
         return [None if p.goffset < 0 else view(data, p.goffset, p.grad_dtype, p.shape) for p in u.params]
 
+    def _weights_change(self) -> None:
+        """Called before a unit's weights are rewritten off the device (the streamer first waits for a read of
+        them it started ahead)."""
+
     def store_weights(self, index: int, values: Sequence[torch.Tensor]) -> None:
         """Write updated weights of unit ``index`` to its off-device copy (``disk``; ``host`` is updated in
         place by an optimizer that steps the parameters)."""
+        self._weights_change()
         u = self.units[index]
         if u.host is not None:
             for p, v in zip(u.params, values):
@@ -314,6 +314,7 @@ class OffDeviceStore:
         ``(weight, master or None)`` per parameter (read into the staging buffers).  At the block's end the
         masters are written back, and the weights, rounded from them (float32 weights as the block left
         them), as Megatron's copy of the main parameters to the model's does."""
+        self._weights_change()
         u = self.units[index]
         assert u.path is not None and u.mpath is not None and self._mstaging is not None
         weights = self._read(u.path, u.nbytes, f"unit {index}'s weights")
@@ -364,6 +365,7 @@ class OffDeviceStore:
     def weights_in(self, index: int) -> Iterator[list[torch.nn.Parameter]]:
         """Inside the block, unit ``index``'s parameters hold its weights on the host (``disk``: read into the
         staging buffer); what the block writes into them is stored back at its end."""
+        self._weights_change()
         u = self.units[index]
         if u.host is not None:  # the parameters are views of the host copy already
             yield [p.param for p in u.params]

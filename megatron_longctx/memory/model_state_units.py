@@ -71,6 +71,14 @@ def view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) 
     return buf[offset:offset + n].view(dtype).view(shape)
 
 
+def pack(u: Unit, dst: torch.Tensor) -> torch.Tensor:
+    """``u``'s parameters' current values laid out in ``dst`` (``[>= u.nbytes]`` uint8) at their offsets."""
+    for p in u.params:
+        src = p.param.data.reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes
+        dst[p.offset:p.offset + src.numel()].copy_(src)
+    return dst
+
+
 def tensors(out: Any) -> list:
     if isinstance(out, torch.Tensor):
         return [out]

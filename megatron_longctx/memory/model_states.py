@@ -397,21 +397,8 @@ class ModelStateStreamer(OffDeviceStore):
         return (f"model states of {len(self.units)} units on the {where}, "
                 f"{len(self.wslots)} device slots of {self.slot_bytes} + {self.gslot_bytes} bytes")
 
-    def store_weights(self, index: int, values: Sequence[torch.Tensor]) -> None:
+    def _weights_change(self) -> None:
         self._settle_reads()
-        super().store_weights(index, values)
-
-    @contextlib.contextmanager
-    def weights_in(self, index: int) -> Iterator[list[torch.nn.Parameter]]:
-        self._settle_reads()
-        with super().weights_in(index) as params:
-            yield params
-
-    @contextlib.contextmanager
-    def masters_in(self, index: int) -> Iterator[list[tuple[torch.Tensor, Optional[torch.Tensor]]]]:
-        self._settle_reads()
-        with super().masters_in(index) as pairs:
-            yield pairs
 
     def remove(self) -> None:
         self._settle_reads()
