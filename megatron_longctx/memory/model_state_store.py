@@ -313,11 +313,16 @@ class OffDeviceStore:
         """For a mixed-precision optimizer step: unit ``index``'s weights and float32 masters on the host, as
         ``(weight, master or None)`` per parameter (read into the staging buffers).  At the block's end the
         masters are written back, and the weights, rounded from them (float32 weights as the block left
-        them), as Megatron's copy of the main parameters to the model's does."""
+        them), as Megatron's copy of the main parameters to the model's does.  The weights file is read only
+        where a parameter has no master: the others' weights are rewritten from their masters, never read."""
         self._weights_change()
         u = self.units[index]
         assert u.path is not None and u.mpath is not None and self._mstaging is not None
-        weights = self._read(u.path, u.nbytes, f"unit {index}'s weights")
+        assert self._staging is not None
+        if all(p.moffset >= 0 for p in u.params):
+            weights = self._staging[:u.nbytes]
+        else:
+            weights = self._read(u.path, u.nbytes, f"unit {index}'s weights")
         masters = self._read_into(self._mstaging, u.mpath, u.mbytes, f"unit {index}'s master weights")
         pairs = [(view(weights, p.offset, p.dtype, p.shape),
                   view(masters, p.moffset, torch.float32, p.shape) if p.moffset >= 0 else None) for p in u.params]

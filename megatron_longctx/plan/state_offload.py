@@ -41,8 +41,9 @@ Hardware = Any  # .timing.Hardware (timing builds on this module): host_gbps, li
 
 def disk_step_bytes_per_param(grad_bytes: int) -> int:
     """NVMe bytes one ``disk`` optimizer step moves per parameter: the gradients read twice (the norm, then
-    the moments), the moments read, written and read back, the masters and the bf16 weights read and written."""
-    return 2 * grad_bytes + 3 * MOMENT_BYTES + 2 * MASTER_BYTES + 2 * WEIGHT_BYTES
+    the moments), the moments read, written and read back, the masters read and written, and the bf16 weights
+    written (rounded from the masters, so never read)."""
+    return 2 * grad_bytes + 3 * MOMENT_BYTES + 2 * MASTER_BYTES + WEIGHT_BYTES
 
 # The off-device AdamW's staging (memory.offdevice_optimizer): 4M-element fp32 chunks; the denominator, and
 # the two moments read from disk.

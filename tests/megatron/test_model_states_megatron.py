@@ -4,6 +4,7 @@ refused naming the flags, Bridge's configuration and the training loops' deferre
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -172,10 +173,34 @@ def _bf16_body(root: str, disk: bool) -> tuple:
         start = [] if disk else [p.main_param.detach().clone() for p in in_units]
         kinds = [type(w).__name__ for w in megatron_optimizers(trainer.optimizer)]
         inner = [type(w.optimizer).__name__ for w in megatron_optimizers(trainer.optimizer)]
+        in_step: list[str] = []  # what the optimizer step reads, unit by unit
+        if disk:
+            store = trainer.model_states.streamer
+            read_into, masters_in = store._read_into, store.masters_in
+
+            def recorded_read(buf, path, nbytes, what):
+                in_step.extend([what] if store._stepping else [])
+                return read_into(buf, path, nbytes, what)
+
+            @contextlib.contextmanager
+            def recorded_masters(index):
+                store._stepping = True
+                try:
+                    with masters_in(index) as pairs:
+                        store._stepping = False
+                        yield pairs
+                finally:
+                    store._stepping = False
+
+            store._stepping = False
+            store._read_into, store.masters_in = recorded_read, recorded_masters
         steps = [trainer.step(i, b) for i, b in enumerate(_batches())]
         weights, masters = [], []
         if disk:
             streamer = trainer.model_states.streamer
+            # every parameter of a unit has a master: the step reads the masters only, never the bf16 weights
+            units = len(streamer.units)
+            assert in_step == [f"unit {i}'s master weights" for _ in steps for i in range(units)], in_step
             assert streamer.opts.masters and all(u.mpath for u in streamer.units)
             # the optimizer's masters hold no values between steps: they are in the files
             assert all(is_placeholder(p.param.main_param) for u in streamer.units for p in u.params)
