@@ -1,30 +1,14 @@
 """All-to-all inside groups of ``U`` ranks, then a ring across the groups: Ulysses and the hybrid.
 
-DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509; Megatron/TE ``cp_comm_type="a2a"``) is
-``U = cp``: each rank trades its ``s/P`` tokens of all heads for all ``s`` tokens of ``h/P`` heads,
-runs one local attention (a ring of one rank) and trades back.  The hybrid (USP, Fang & Zhao 2024,
-arXiv:2405.07719; LoongTrain, Gu et al. 2024; ``cp_comm_type="a2a+p2p"``, groups of
-:mod:`.hybrid`) is ``1 < U < cp``: after the all-to-all the pooled tokens of ranks ``gU ..
-gU+U-1`` are, per document, chunks ``g`` and ``2cp/U-1-g`` of a ``U`` times coarser split
-(:meth:`.layout.SeqLayout.coarsen`, reordered by :func:`.layout.from_ranks`), so the ring of
-:mod:`.ring` runs unchanged on the coarse layout across the groups.  Dense and packed sequences
-take the same path (a dense sequence is one document).
-
-Memory: q, k, v (and the gradients in backward) each travel in their own all-to-all, as
-DeepSpeed's ``DistributedAttention`` does, so at most one tensor's send buffer, receive buffer and
-reordered copy are alive at a time, not three of each; the head-sharded tensors saved for backward
-are freed before the gradients travel back (:func:`ulysses_attention`).  Short shards (up to
-:data:`PACK_MAX_TOKENS` local tokens) are latency-bound instead: q, k and v travel in one all-to-all
-(:func:`seq_to_heads_packed`) and so do their gradients, and every all-to-all is a single collective:
-four per forward and backward, where the per-tensor path issues eight, or sixteen with the halves.
-Ulysses' local attention (:class:`HeadsAttention`) runs its backward over pieces of its heads and
-writes each piece's gradients over the head-sharded q, k, v it no longer reads, which the all-to-alls
-made for it alone: the backward holds one piece's gradients beside the saved tensors, not all of them.
-
-GQA/MQA with fewer K/V heads than ranks: K/V heads are replicated (``repeat_interleave`` by the
-smallest factor ``f`` dividing ``h_q/h_kv`` with ``h_kv*f`` divisible by ``U``,
-:func:`.args.kv_replication`), so that every rank receives whole query groups with their K/V head;
-the gradients of the copies are summed.  Layout inside: ``[b, t, h, d]``.
+:func:`ulysses_attention` trades each rank's tokens of all heads for its group's tokens of ``h/U`` heads
+(:func:`seq_to_heads`), attends, and trades back (:func:`heads_to_seq`).  Ulysses is ``U = cp``: one local
+attention (:class:`HeadsAttention`, a ring of one rank).  The hybrid is ``1 < U < cp``: after the
+all-to-all the pooled tokens of ranks ``gU .. gU+U-1`` are, per document, chunks ``g`` and ``2cp/U-1-g`` of
+a ``U`` times coarser split (:meth:`.layout.SeqLayout.coarsen`, reordered by :func:`.layout.from_ranks`), so
+the ring of :mod:`.ring` runs unchanged on the coarse layout across the groups.  Dense and packed sequences
+take the same path (a dense sequence is one document).  K/V heads fewer than ranks are replicated
+(:func:`.args.kv_replication`).  Layout inside: ``[b, t, h, d]``.
+The papers, the memory of the all-to-alls and the GQA rule: docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Block attention on CPU through PyTorch's flash-attention kernel for CPU.
 
 Uses ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, the ops that return the
-logsumexp alongside the output (FlashAttention's tiling, Dao et al. 2022, in PyTorch's CPU kernels).
-What the op does, read off torch 2.13 and 2.14:
-
-- layout ``[b, h, s, d]`` with arbitrary strides, so ``[b, s, h, d]`` tensors go in as transposed
-  views without copies; the output (and the gradients) come back with ``[b, s, h, d]`` memory;
-- ``lse`` ``[b, h, s_q]`` in float32 (float64 for float64 inputs);
-- float64, float32, bfloat16 and float16;
-- ``is_causal`` is *top-left* aligned (query ``i`` sees keys ``j <= i``), also when ``s_q != s_k``;
-- ``attn_mask`` must be floating (additive); a boolean mask is refused;
-- q, k and v must share one head dim (zero padding in :mod:`.driver` serves ``d_qk != d_v``);
-- k/v with fewer heads than q (GQA/MQA) are accepted (probed once, see :func:`native_gqa`);
-- a row whose mask hides every key returns ``out = 0`` with ``lse = 0`` (not ``-inf``), an empty
-  ``s_q`` or ``s_k`` kills the process (SIGFPE), and backward given ``lse = -inf`` returns NaN.
-  The driver never hands the op such rows: every row of a piece sees a key, so its final lse is finite.
-
-Masks per piece (a :class:`~.base.LiveBlock`): the op knows no mask and top-left causal only, so a
-piece's keys are split where the band's edges stop cutting (:func:`_parts`): keys cut by the right
-edge only are top-left causal, keys cut by neither need no mask, keys cut by the left edge only are
-top-left causal on reversed rows and keys.  Each range is one call; the calls are merged with
-:func:`.merge.merge` (backward: ``dq`` summed, ``dk``/``dv`` concatenated).  A sliding window's
-diagonal block reaches this kernel as row tiles narrower than the band (:func:`.driver.band_tiles`),
-so no call is masked and the work is linear in the sequence.  Only bands narrower than
-:data:`.driver.MASKED_TILE_ROWS` keys use an additive mask, per tile of that many rows.
+logsumexp alongside the output (FlashAttention's tiling, Dao et al. 2022, in PyTorch's CPU kernels); what
+the ops do and refuse is listed at :func:`_op_forward`.  They know no mask but their top-left causal one, so
+:class:`_CpuPieces` splits each piece's keys where the band's edges stop cutting (:func:`_parts`) and merges
+the calls.  The driver never hands the op a row that sees no key: the op gets such rows wrong.
+Backends, pieces and live blocks: docs/attention.md and docs/glossary.md.
 """
 
 from __future__ import annotations
@@ -45,6 +27,20 @@ _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _op_forward(q, k, v, scale: float, causal: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op on ``[b, s, h, d]`` tensors.  What the op does, read off torch 2.13 and 2.14:
+
+    - layout ``[b, h, s, d]`` with arbitrary strides, so ``[b, s, h, d]`` tensors go in as transposed
+      views without copies; the output (and the gradients) come back with ``[b, s, h, d]`` memory;
+    - ``lse`` ``[b, h, s_q]`` in float32 (float64 for float64 inputs);
+    - float64, float32, bfloat16 and float16;
+    - ``is_causal`` is *top-left* aligned (query ``i`` sees keys ``j <= i``), also when ``s_q != s_k``;
+    - ``attn_mask`` must be floating (additive); a boolean mask is refused;
+    - q, k and v must share one head dim (zero padding in :mod:`.driver` serves ``d_qk != d_v``);
+    - k/v with fewer heads than q (GQA/MQA) are accepted (probed once, see :func:`native_gqa`);
+    - a row whose mask hides every key returns ``out = 0`` with ``lse = 0`` (not ``-inf``), an empty
+      ``s_q`` or ``s_k`` kills the process (SIGFPE), and backward given ``lse = -inf`` returns NaN.
+      The driver never hands the op such rows: every row of a piece sees a key, so its final lse is finite.
+    """
     # [b, s, h, d] -> [b, h, s, d] views in, out back to [b, s_q, h_q, d]; lse [b, h_q, s_q]
     out, lse = _FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale)
     return out.transpose(1, 2), lse
@@ -104,7 +100,17 @@ def _flip(*xs: torch.Tensor) -> list[torch.Tensor]:
 
 
 class _CpuPieces:
-    """:class:`.driver.PieceKernel` over the CPU op (see the module docstring for the masks)."""
+    """:class:`.driver.PieceKernel` over the CPU op.
+
+    Masks per piece (a :class:`~.base.LiveBlock`): the op knows no mask and top-left causal only, so a
+    piece's keys are split where the band's edges stop cutting (:func:`_parts`): keys cut by the right
+    edge only are top-left causal, keys cut by neither need no mask, keys cut by the left edge only are
+    top-left causal on reversed rows and keys.  Each range is one call; the calls are merged with
+    :func:`.merge.merge` (backward: ``dq`` summed, ``dk``/``dv`` concatenated).  A sliding window's
+    diagonal block reaches this kernel as row tiles narrower than the band (:func:`.driver.band_tiles`),
+    so no call is masked and the work is linear in the sequence.  Only bands of at most
+    :data:`.driver.MASKED_TILE_ROWS` keys use an additive mask, per tile of that many rows.
+    """
 
     head_multiple = 1
 

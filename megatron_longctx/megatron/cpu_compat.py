@@ -1,49 +1,14 @@
-"""The one place that lets Megatron-Core run in a CPU-only process.
+"""The one place that lets Megatron-Core, and the training loops of Megatron-LM and Megatron-Bridge, run in a
+CPU-only process.
 
-Megatron-Core assumes a GPU in a few places that a CPU run of a GPTModel (local spec, gloo) reaches.
-Each is listed in :data:`_PATCHES` / :func:`_patches` with the reason:
-
-* ``torch.cuda.current_device()`` used as a device: RoPE's ``inv_freq``/``get_emb``, DDP grad buffers,
-  the global memory buffer;
-* the CUDA RNG state: ``model_parallel_cuda_manual_seed``, the ``CudaRNGStatesTracker`` (``fork()``)
-  and recompute's ``CheckpointFunction`` save and restore it;
-* ``get_pos_emb_on_this_cp_rank`` (RoPE under CP > 1) pins memory and calls ``.cuda()``;
-* ``torch.cuda.synchronize()`` after batched pipeline sends (``batch_p2p_sync``) and
-  ``torch.cuda.current_stream()`` waits in DDP's grad sync: nothing to wait for on the CPU;
-* ``get_default_causal_mask``, ``get_sliding_window_causal_mask``, the token counters of
-  ``pipeline_parallel/schedules.py`` and the optimizer's flags and grad-norm buffers allocate with
-  ``device="cuda"``.
-
-:func:`enabled` redirects exactly these to the CPU for the duration of a ``with`` block: the current
-device is ``cpu``; the CUDA RNG functions act on the CPU generator (the one dropout on CPU tensors
-draws from, so tracker forks and recompute replays stay exact); the two functions are replaced by
-device-agnostic twins wherever Megatron imported them; the modules that hard-code ``"cuda"`` see a
-``torch`` whose factories place on the CPU.  Nothing happens on import or when CUDA is available, and
-everything is restored on exit.  Megatron modules imported *after* :func:`enable` are not patched:
-import Megatron first (``enable`` imports the modules it patches).
-
-Megatron-LM's training stack (``megatron.training``, what ``pretrain_gpt.py`` runs) meets these too
-(see :func:`_training_patches`):
-
-* ``validate_args`` reads ``get_device_arch_version()`` (the driver's compute capability): 0 here;
-* ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda=True``: it is called with it;
-* ``initialize`` sets up the model-parallel groups and the RNG tracker only when
-  ``torch.cuda.device_count() > 0``: that module sees one device (and ``set_device`` is a no-op);
-* ``initialize._warmup_jit_function`` warms the fused kernels on ``"cuda"``: skipped;
-* ``.cuda()`` on tensors and modules (the script's ``get_batch``, ``get_model``) returns them as they
-  are, and ``megatron.training.training`` / ``checkpointing`` / ``rerun_state_machine`` allocate with
-  ``device="cuda"``;
-* ``torch.cuda.Stream()`` (the DDP wrap's initialisation stream) is a stream that never waits;
-* the optimizers and ``clip_grad_by_total_norm_fp32`` check parameters and grads by their type names
-  (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``): ``Tensor.type()`` names CPU tensors so.
-
-Megatron-Bridge's ``pretrain()`` (``megatron.bridge.training``, when already imported) meets the same
-asserts, RNG seeding, helper build and JIT warm-up in its own ``initialize`` module, and allocates with
-``device="cuda"`` in its setup, data loaders, train and eval loops (see :func:`_bridge_patches`).
-
-:func:`cpu_default_args` gives the command-line defaults a CPU process needs for Megatron-LM's scripts
-(gloo, the CUDA-only fusions off, ``--transformer-impl local`` without Transformer Engine, ...); flags
-the user gave win.
+:func:`enabled` (or :func:`enable` / :func:`disable`; nested calls count) redirects the CUDA calls a CPU run
+reaches to the CPU for the duration of a ``with`` block; :func:`_patches`, :func:`_training_patches` and
+:func:`_bridge_patches` list each redirect with its reason, and every one goes through
+:func:`megatron_longctx.patching.patch`.  Nothing happens on import or when CUDA is available, and everything
+is restored on exit.  Megatron modules imported *after* :func:`enable` are not patched: import Megatron first.
+:func:`cpu_default_args` gives the command-line defaults a CPU process needs for Megatron-LM's scripts (flags
+the user gave win); :func:`main` runs a script with them, without the plugin.
+What is redirected, and the defaults: docs/launcher.md ("Without a GPU").
 """
 
 from __future__ import annotations
@@ -242,7 +207,21 @@ def _no_jit_warmup(*args: Any, **kwargs: Any) -> None:
 
 
 def _training_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]:
-    """What Megatron-LM's training stack (``megatron.training``) needs on a CPU process (module docstring)."""
+    """What Megatron-LM's training stack (``megatron.training``, what ``pretrain_gpt.py`` runs) needs on a CPU
+    process:
+
+    * ``validate_args`` reads ``get_device_arch_version()`` (the driver's compute capability): 0 here;
+    * ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda=True``: it is called with it;
+    * ``initialize`` sets up the model-parallel groups and the RNG tracker only when
+      ``torch.cuda.device_count() > 0``: that module sees one device (and ``set_device`` is a no-op);
+    * ``initialize._warmup_jit_function`` warms the fused kernels on ``"cuda"``: skipped;
+    * ``.cuda()`` on tensors and modules (the script's ``get_batch``, ``get_model``) returns them as they
+      are, and ``megatron.training.training`` / ``checkpointing`` / ``rerun_state_machine`` allocate with
+      ``device="cuda"`` (:data:`_HARD_CODED_CUDA_TRAINING_MODULES`);
+    * ``torch.cuda.Stream()`` (the DDP wrap's initialisation stream) is a stream that never waits;
+    * the optimizers and ``clip_grad_by_total_norm_fp32`` check parameters and grads by their type names
+      (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``): ``Tensor.type()`` names CPU tensors so.
+    """
     try:
         from megatron.training import arguments, initialize  # noqa: F401
         from megatron.training import training as _training  # noqa: F401 - imports the modules patched below
@@ -304,6 +283,20 @@ def _bridge_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]:
 
 
 def _patches() -> list[tuple[Any, str, Any]]:
+    """Every redirect: Megatron-Core's, then the training stacks' (:func:`_training_patches`,
+    :func:`_bridge_patches`).  What a CPU run of a GPTModel (local spec, gloo) meets in Megatron-Core:
+
+    * ``torch.cuda.current_device()`` used as a device: RoPE's ``inv_freq``/``get_emb``, DDP grad buffers,
+      the global memory buffer;
+    * the CUDA RNG state: ``model_parallel_cuda_manual_seed``, the ``CudaRNGStatesTracker`` (``fork()``)
+      and recompute's ``CheckpointFunction`` save and restore it;
+    * ``get_pos_emb_on_this_cp_rank`` (RoPE under CP > 1) pins memory and calls ``.cuda()``;
+    * ``torch.cuda.synchronize()`` after batched pipeline sends (``batch_p2p_sync``) and
+      ``torch.cuda.current_stream()`` waits in DDP's grad sync: nothing to wait for on the CPU;
+    * ``get_default_causal_mask``, ``get_sliding_window_causal_mask``, the token counters of
+      ``pipeline_parallel/schedules.py`` and the optimizer's flags and grad-norm buffers allocate with
+      ``device="cuda"`` (:data:`_HARD_CODED_CUDA_MODULES`).
+    """
     import torch.cuda.random
 
     patches: list[tuple[Any, str, Any]] = [
@@ -365,7 +358,14 @@ def _acts() -> bool:
 
 
 def enable() -> None:
-    """Start redirecting (nested calls count); a no-op when CUDA is available.  Pair with :func:`disable`."""
+    """Start redirecting (nested calls count); a no-op when CUDA is available.  Pair with :func:`disable`.
+
+    While it holds, the current device is ``cpu``; the CUDA RNG functions act on the CPU generator (the one
+    dropout on CPU tensors draws from, so tracker forks and recompute replays stay exact);
+    ``get_pos_emb_on_this_cp_rank`` and ``get_default_causal_mask`` are replaced by device-agnostic twins
+    wherever Megatron imported them; the modules that hard-code ``"cuda"`` see a ``torch`` whose factories
+    place on the CPU.  It imports the Megatron modules it patches; those imported after it are not patched.
+    """
     global _depth
     if not _acts():
         return

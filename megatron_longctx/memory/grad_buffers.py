@@ -1,29 +1,15 @@
 """The residual stream's gradient in one buffer: a plugin backward writes its input's gradient into the
 buffer of its output's gradient when that buffer is the plugin's own.
 
-Backward through a layer holds the gradient of its output and builds the gradient of its input: two
-hidden-sized tensors per token.  The plugin's token-wise backwards (the tiled replay, the lean norm)
-consume the output gradient one block of rows at a time and write the input gradient of the same rows,
-so they can write it into the rows just consumed, if nothing else can read that buffer.
-
-That is known only for a buffer a plugin backward made for its input's gradient (:func:`own`), when
-nothing but autograd can see that gradient: the input is not a leaf (a leaf's gradient becomes its
-``.grad``), does not retain its gradient and has no tensor hooks, at forward (:class:`Watch`) and, if
-it is still alive, at backward.  The next plugin backward in the chain receives it as its output's
-gradient (:func:`reusable`) and writes into it.  Any other gradient (Megatron's, or one that autograd
-summed from several consumers into a new tensor) is never written.
-
-A parameter gradient summed over tiles can go the same way into Megatron's ``main_grad``
-(:func:`main_grad_of`, :func:`main_grad_placeholder`): its DDP gives each parameter a float32
-``main_grad`` and, once ``grad_added_to_main_grad`` is set, skips adding the gradient autograd hands
-it (Megatron's gradient-accumulation-fusion protocol), so no sum of the plugin's own is held.
-
-The same protocol runs the other way inside a tile: with ``gradient_accumulation_fusion`` Megatron's
-linears (TE's and apex's too) add their weight gradient into ``main_grad`` themselves, set
-``grad_added_to_main_grad`` and return an unread placeholder (``tensor_parallel/layers.py``,
-``LinearWithGradAccumulationAndAsyncCommunication.backward``).  :meth:`ParamGrads.grad` clears the flag
-before each tile's ``torch.autograd.grad`` and drops what it returns for a parameter whose flag the
-tile's backward set: that gradient is in ``main_grad`` already.
+Backward through a layer holds its output's gradient and builds its input's: two hidden-sized tensors per
+token.  The plugin's token-wise backwards (the tiled replay, the lean norm) consume the output gradient a
+block of rows at a time and write the input gradient of the same rows, so they may write it into the rows
+just consumed: :func:`own` marks the buffer a plugin backward made for its input's gradient when nothing but
+autograd can see that gradient (:class:`Watch`), and the next plugin backward, given it as its output's
+gradient, writes into it (:func:`reusable`).  Any other gradient (Megatron's, or one that autograd summed
+from several consumers into a new tensor) is never written.  :class:`ParamGrads` does the same for
+parameter gradients summed over tiles, through Megatron's ``main_grad`` protocol.
+Where the feature uses it: docs/memory-features.md (``--longctx-recompute-tiles``).
 """
 
 from __future__ import annotations
@@ -42,7 +28,12 @@ def _private(x: torch.Tensor) -> bool:
 
 
 class Watch:
-    """Taken at forward on a plugin function's input: may its gradient buffer be marked as owned?"""
+    """Taken at forward on a plugin function's input: may its gradient buffer be marked as owned?
+
+    Only when nothing but autograd can see the input's gradient: the input is not a leaf (a leaf's gradient
+    becomes its ``.grad``), does not retain its gradient and has no tensor hooks, here at forward and, if it is
+    still alive, at backward (:meth:`private`).
+    """
 
     __slots__ = ("_ref",)
 
@@ -72,7 +63,12 @@ def reusable(grad: Optional[torch.Tensor], shape: torch.Size, dtype: torch.dtype
 
 
 def main_grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """``param``'s Megatron ``main_grad`` when a gradient may be added into it directly, else ``None``."""
+    """``param``'s Megatron ``main_grad`` when a gradient may be added into it directly, else ``None``.
+
+    Megatron's DDP gives each parameter a float32 ``main_grad`` and, once ``grad_added_to_main_grad`` is set,
+    skips adding the gradient autograd hands it (its gradient-accumulation-fusion protocol), so a gradient
+    summed over tiles can go there with no sum of the plugin's own held beside it.
+    """
     main = getattr(param, "main_grad", None)
     if (main is None or not hasattr(param, "grad_added_to_main_grad") or main.shape != param.shape
             or main.dtype != torch.float32):
@@ -106,7 +102,14 @@ def main_grad_placeholder(param: torch.Tensor) -> torch.Tensor:
 class ParamGrads:
     """Parameter gradients summed over tiles: straight into Megatron's ``main_grad`` where its DDP allows
     (no sum of our own alongside each tile's gradients), else summed here; :meth:`result` is what the
-    backward returns for them."""
+    backward returns for them.
+
+    The protocol also runs the other way inside a tile: with ``gradient_accumulation_fusion`` Megatron's
+    linears (TE's and apex's too) add their weight gradient into ``main_grad`` themselves, set
+    ``grad_added_to_main_grad`` and return an unread placeholder (``tensor_parallel/layers.py``,
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward``); :meth:`grad` clears the flag before each
+    tile's ``torch.autograd.grad`` and drops what it returns for a parameter whose flag the tile set.
+    """
 
     def __init__(self, params: tuple) -> None:
         self.params = params

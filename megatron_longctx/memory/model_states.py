@@ -1,32 +1,15 @@
 """Model states off the device: each unit's weights come into a device slot for its use, its gradients leave.
 
-A *unit* is a module whose parameters move together (a transformer layer, the embedding, the output
-layer).  Between uses the off-device copy is the truth: a host buffer from the bounded
+A *unit* is a module whose parameters move together (a transformer layer, the embedding, the output layer).
+Between uses the off-device copy is the truth: a host buffer from the bounded
 :class:`~megatron_longctx.memory.host_pool.HostPool` (``host``, so activations and model states share one
-bound) or a file on local disk read back through a pool buffer used as staging (``disk``).  The device
-holds a few *weight slots* and *gradient slots*, each sized for the largest unit:
-
-* a forward pre-hook copies the unit's weights into a free weight slot and points each parameter's
-  ``.data`` at its view there; with ``host`` the next unit's copy (the one after in forward, the one before
-  in backward and its recompute) starts at once into another free slot, on a side stream when the device is
-  a GPU, and gives its slot up when a use needs it.  With ``disk`` the next unit's file is read on a reader
-  thread into a read-ahead buffer of the pool (one read in flight) while the current unit computes; its
-  load then copies from there.  The forward post-hook points ``.data`` back at the
-  off-device copy and frees the slot.  A recompute re-enters the same hooks, so the weights come in again
-  for it;
-* a gradient hook on the unit's outputs brings the weights in again for the unit's backward and points
-  each parameter's ``main_grad`` (Megatron's gradient protocol) at a zeroed view of a gradient slot;
-  gradients autograd hands a parameter (``.grad``) are added into ``main_grad``; once every parameter of the
-  unit has its gradient, the slot is added into the off-device accumulator (across micro-batches) and both
-  slots are freed.  With ``host`` on a GPU the sum is made on the device and copied out on the side stream;
-  :meth:`ModelStateStreamer.finish_backward` waits for the copies before anything reads the accumulators;
-* autograd may save a *view* of a weight (``F.linear`` saves ``weight.t()``): such a view is packed as a
-  recipe on its parameter, so backward reads the weights that are in a slot then, never a slot's later
-  contents.
-
-On the CPU the "device" is the CPU: the slots are still distinct tensors and every copy still happens, so
-:attr:`ModelStateStreamer.resident` (the bytes of parameters and gradients in device slots) is the real
-cost, and :meth:`ModelStateStreamer.check_released` fails if a unit's weights stay in a slot after its use.
+bound) or a file on local disk read back through a pool buffer (``disk``).  :class:`ModelStateStreamer`
+runs on module hooks: a unit's forward pre-hook brings its weights into a weight slot (and starts the next
+unit's on their way), the post-hook points ``.data`` back at the off-device copy; a gradient hook on the
+unit's outputs brings the weights in again for its backward, with a gradient slot as ``main_grad`` that
+leaves for the off-device accumulator once every parameter has its gradient.  A unit holds no slot after
+its use (:meth:`ModelStateStreamer.check_released`).
+What is built, tested and measured: docs/model-state-offload.md.
 """
 
 from __future__ import annotations
@@ -44,7 +27,13 @@ from megatron_longctx.memory.model_state_units import Unit, add_bytes, tensors, 
 from megatron_longctx.memory.offload_disk import DiskOffloadError, read_file
 
 class ModelStateStreamer(OffDeviceStore):
-    """Streams ``units``' weights in and their gradients out (see the module docstring)."""
+    """Streams ``units``' weights in and their gradients out.
+
+    The device holds ``opts.slots`` weight slots and as many gradient slots, each sized for the largest
+    unit.  On the CPU the "device" is the CPU: the slots are still distinct tensors and every copy still
+    happens, so :attr:`resident` (the bytes of parameters and gradients in device slots) is the real cost,
+    and :meth:`check_released` fails if a unit's weights stay in a slot after its use.
+    """
 
     def __init__(self, units: Sequence[torch.nn.Module], opts: StreamOptions) -> None:
         if opts.slots < 2:
@@ -232,6 +221,9 @@ class ModelStateStreamer(OffDeviceStore):
                         lambda param, u=u: self._grad_ready(u, param)))
 
     def _pre_forward(self, u: Unit, inputs: tuple) -> None:
+        """Forward pre-hook: ``u``'s weights into a free weight slot, each parameter's ``.data`` pointed at its
+        view there, and the next unit of this pass started (:meth:`_prefetch`).  A recompute re-enters the
+        same hooks, so the weights come in again for it."""
         # first what the post-hook undoes, which runs also when this hook raises (a weight file unreadable)
         u.in_forward += 1
         ctx = hooks.packing(_SlotViewPacker(self))
@@ -244,6 +236,9 @@ class ModelStateStreamer(OffDeviceStore):
         self._prefetch(u.index - 1 if torch._C._current_graph_task_id() >= 0 else u.index + 1)
 
     def _post_forward(self, u: Unit, out: Any) -> None:
+        """Forward post-hook: ``.data`` pointed back at the off-device copy and the slot freed (after a
+        recompute the unit stays for its backward unless a load needs its slot), and a gradient hook put on
+        the outputs, which starts the unit's backward."""
         ctx, given = self._forward_ctx.pop()
         ctx.__exit__(None, None, None)
         if torch.is_grad_enabled():  # the unit's backward starts when a gradient reaches one of its outputs
@@ -258,6 +253,8 @@ class ModelStateStreamer(OffDeviceStore):
                 self._release(u)
 
     def _pre_backward(self, u: Unit) -> None:
+        """The gradient hook on ``u``'s outputs: its weights in again for its backward, and each parameter's
+        ``main_grad`` (Megatron's gradient protocol) pointed at a zeroed view of a gradient slot."""
         if u.gslot is not None:  # another output of the unit got there first
             return
         self._load(u)
@@ -277,6 +274,8 @@ class ModelStateStreamer(OffDeviceStore):
             u.pending = {id(p.param) for p in u.params if p.goffset >= 0}
 
     def _grad_ready(self, u: Unit, param: torch.Tensor) -> None:
+        """A gradient autograd hands ``param`` (``.grad``) is added into ``main_grad``; once every parameter of
+        ``u`` has its gradient, the slot is added into the off-device accumulator (:meth:`_flush`)."""
         if self.opts.accumulate_grad and param.grad is not None:
             # Megatron's gradient-accumulation-fusion protocol: a backward that added into main_grad itself
             # hands autograd an unread placeholder and sets grad_added_to_main_grad

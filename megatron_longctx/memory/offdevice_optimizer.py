@@ -1,32 +1,14 @@
 """AdamW whose state lives off the compute device: in host memory (``host``) or in a file on a local disk
-(``disk``), updated chunk by chunk on the CPU.
+(``disk``), updated chunk by chunk on the CPU (:class:`OffDeviceAdamW`, placed by :class:`OffDeviceSpec`).
 
-The update is PyTorch's single-tensor AdamW (Loshchilov & Hutter, arXiv:1711.05101: decoupled weight
-decay, bias-corrected moments), element for element in the same order of operations, so a float32 run
-equals ``torch.optim.AdamW(foreach=False)`` bit for bit.  It is a ``torch.optim.Optimizer`` with the usual
-``param_groups`` (``lr``, ``weight_decay``, ``betas``, ``eps`` per group, as Megatron's parameter groups set
-them), so it serves as the inner optimizer of Megatron's ``FP32Optimizer`` /
-``Float16OptimizerWithFloat16Params``: gradient clipping, loss scaling and the bf16 master copies stay
-Megatron's.  Its ``state_dict`` has torch's AdamW layout (``step``, ``exp_avg``, ``exp_avg_sq`` per
-parameter), so checkpoints written with one load into the other.
-
-The parameters it is given are the fp32 master weights and must be host tensors (with model-state
-offload Megatron's optimizer sees the off-device copies).  Where the two moments (8 bytes per parameter)
-live:
-
-* ``host``: one host tensor each; every chunk is updated in place.  Staging: one chunk for the
-  denominator.
-* ``disk``: one file ``adamw-moments.bin`` (``[exp_avg | exp_avg_sq]`` float32 per parameter, in
-  parameter order) in a run directory under ``--longctx-offload-disk-dir``.  A step runs in two passes
-  through a staging pool of three chunks (the two moments and the denominator): pass 1 reads each
-  chunk's moments, updates them and writes them to ``adamw-moments.bin.tmp``; the file is fsynced and
-  renamed over the previous one (and the directory fsynced).  Pass 2 reads the new moments back and
-  updates the parameters.  AdamW's moments do not depend on the parameters, so the split changes no
-  bit; and a failed write (a full disk, a file-size limit) leaves the parameters, the step counts and
-  the previous file as they were: one :class:`DiskOffloadError` names the flag, the path and the bytes.
-
-The staging buffers come from a :class:`~megatron_longctx.memory.host_pool.HostPool` (pinned when a GPU is
-present, the bound the activation offload shares); a pool too small for them is refused at construction.
+The update is PyTorch's single-tensor AdamW (Loshchilov & Hutter, arXiv:1711.05101), element for element in
+the same order of operations, so a float32 run equals ``torch.optim.AdamW(foreach=False)`` bit for bit, and
+its ``state_dict`` has torch's AdamW layout.  It serves as the inner optimizer of Megatron's
+``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params``: clipping, loss scaling and the bf16 master copies
+stay Megatron's.  ``disk`` steps in two passes (new moments written and committed, then the parameters
+updated from them), so a failed write changes nothing.
+The moments' file, the staging and the checkpoints: docs/model-state-offload.md ("The optimizer off the
+device").
 """
 
 from __future__ import annotations
@@ -90,7 +72,16 @@ class ParamSource(Protocol):
 
 
 class OffDeviceAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) with its moments off the device; see the module docstring."""
+    """AdamW (decoupled weight decay, bias-corrected moments) with its moments off the device.
+
+    The usual ``param_groups`` (``lr``, ``weight_decay``, ``betas``, ``eps`` per group, as Megatron's
+    parameter groups set them).  The parameters are the fp32 master weights and must be host tensors (with
+    model-state offload Megatron's optimizer sees the off-device copies).  Staging buffers, one chunk each
+    (the denominator; for ``disk`` also the two moments read back), come from ``spec.pool``: a pool too
+    small for them is refused here.  A failed ``disk`` write leaves the parameters, the step counts and the
+    previous moments file as they were, and raises one :class:`DiskOffloadError` naming the flag, the path
+    and the bytes.
+    """
 
     def __init__(self, params: Iterable[Any], spec: OffDeviceSpec, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,

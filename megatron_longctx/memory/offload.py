@@ -1,31 +1,14 @@
 """Activation offload through saved-tensor hooks: host (pinned pool) or disk, asynchronous, prefetched.
 
-Forward: a tensor autograd saves inside an offloaded scope is copied off the device on a side CUDA
-stream (:mod:`.streams` states the exact stream contract); the offloader keeps no reference to the
-device copy, and ``record_stream`` keeps the caching allocator from reusing it before the copy has
-landed, so the device memory is released then, whoever calls what.  At most ``offload_max_inflight``
-copies are pending: the next one waits for the oldest, which bounds the device memory waiting on
-copies across layers, micro-batches and steps.  The last layer of a micro-batch is no exception: its
-device copies are gone before backward, which brings back one copy.  Disk: the device copy is staged
-through a pinned pool buffer on the side stream and an I/O worker writes it (:mod:`.offload_disk`).
-
-Backward: the first unpack of a layer's tensors fetches that whole layer and starts fetching the
-layer before it in the same model chunk (backward runs layers in reverse; a virtual-pipeline chunk's
-first layer never prefetches the previous chunk's last layer, whose backward is scheduled elsewhere).
-Restored buffers are allocated on the compute stream, like the tensors autograd would have kept.
-Ideas from ALST (checkpoint offload, arXiv:2506.13996) and Megatron/TE activation offloading
-(NVIDIA/Megatron-LM), rebuilt without Transformer Engine, with recompute and PP.
-
-Policies (``MemoryConfig.offload_policy``): ``checkpoint`` — only what a full-recompute layer keeps, its
-input; ``modules`` — tensors saved inside named modules; ``layers`` — everything saved in the first N
-layers.  Parameters are never offloaded (nor views of them: their storage addresses are re-read at
-every micro-batch, so ``.cuda()`` after CPU initialisation or a DDP parameter buffer is seen), nor
-tensor subclasses (FP8 weights, DTensor...: counted as ``subclass_kept_bytes``).  A tensor is offloaded
-per *storage*: views of one storage (and a tensor several layers save, like RoPE tables) travel once.
-The host pool is bounded (cached buffers included): a tensor past the bound stays where it is and is
-counted, never an out-of-memory error.  On a CPU-only process ``host`` cannot lower memory (the
-tensor already lives in host memory): such tensors are left in place and counted as
-``host_noop_bytes``; ``disk`` is what lowers resident memory there.
+:class:`ActivationOffloader` is a packer of :mod:`.hooks`: a tensor autograd saves inside an offloaded scope
+is copied off the device on a side stream (:mod:`.streams` states the stream contract), and the offloader
+keeps no reference to the device copy (``record_stream`` guards it until the copy has landed), so the device
+memory is released then, whoever calls what; at most ``offload_max_inflight`` copies are pending.  In
+backward the first unpack of a layer's tensors fetches that whole layer and starts fetching the layer
+before it in the same model chunk.  A tensor is offloaded once per *storage*; parameters (and views of
+them) and tensor subclasses never are; a tensor past the host pool's bound stays where it is and is
+counted (:class:`OffloadStats`), never an out-of-memory error.
+Policies, what is offloaded and what is counted: docs/memory-features.md (``--longctx-offload-*``).
 """
 
 from __future__ import annotations
@@ -85,7 +68,8 @@ def _storage_ptrs(t: torch.Tensor) -> list[int]:
 
 
 class ActivationOffloader:
-    """Packer for :mod:`megatron_longctx.memory.hooks` that offloads by policy; see module docstring.
+    """Packer for :mod:`megatron_longctx.memory.hooks` that offloads by policy (``MemoryConfig.offload_policy``:
+    ``checkpoint``, ``modules`` or ``layers``, docs/memory-features.md).
 
     The model wiring (:func:`megatron_longctx.megatron.memory_spec.install`) opens :func:`hooks.layer_scope` around
     each transformer layer, :func:`hooks.module_scope` around named submodules, and calls

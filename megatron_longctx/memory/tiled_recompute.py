@@ -1,36 +1,14 @@
 """Full recompute in sequence tiles: a checkpointed layer replayed one tile of tokens at a time.
 
-Full recompute keeps a layer's input and reruns the whole layer in backward, so backward still holds
-every activation of one layer for the whole sequence.  Everything in a transformer layer but the
-attention is token-wise, so the replay can run one tile of tokens at a time if the attention of a
-query tile can see all keys.  :func:`tiled_checkpoint` replays in three passes, each over the tiles:
-
-1. *collect*: each tile runs up to its core attention, which stores the tile's K/V and stops the
-   layer there (:class:`ReplayStop`); the K/V are then gathered once (:class:`~megatron_longctx.
-   attention.tiled.TiledKV`);
-2. *attend*: each tile runs the whole layer, its queries attending over the gathered K/V, and
-   backpropagates its share of the output gradient (into the tile's input, the parameters, and the
-   gathered dK/dV);
-3. *K/V gradients*: dK/dV are reduce-scattered to their owners, and each tile runs up to its core
-   attention again to backpropagate its dK/dV into the tile's input and the parameters.
-
-Forward is passes 1 and 2 without gradients (its output may be written over its input,
-``output_over_input``).  Peak memory per token is then the layer's input and output gradients (one
-buffer, or none on the device when they stream, :mod:`residual_offload`), the gathered K/V and dK/dV, and
-one tile's activations (FPDT, Yao et al. 2024, arXiv:2408.16978, runs a layer in sequence chunks the
-same way); the layer input too, unless the checkpoint offload holds it (:func:`hooks.pack_rows`: each
-pass reads it back one tile at a time).  Parameter gradients are summed over the tiles (straight into
-Megatron's ``main_grad`` where its DDP allows, :mod:`grad_buffers`; a fused linear's own accumulation
-into ``main_grad`` is honoured, its placeholder dropped) and returned by one autograd node,
-so gradient hooks (Megatron's DDP) fire once per parameter, as without tiling.
-
-The layer's attention takes part through the :class:`ReplayPort` it holds as ``replay_port``: the
-replay is handed in through it for each pass (:meth:`ReplayPort.replaying`), and the attention runs
-:meth:`Replay.step` on its tile (``lo``, ``hi``) with the per-layer state it keeps in
-:meth:`Replay.state_for` (:class:`megatron_longctx.megatron.core_attention.ContextParallelAttention`
-holds one).
-Dropout is not replayed per tile (a tile would draw other masks than the whole layer): callers
-refuse it.
+:func:`tiled_checkpoint` keeps a layer's input and replays the layer in three passes over the tiles
+(:class:`Pass`): *collect* (each tile runs up to its core attention, which stores the tile's K/V and stops
+the layer, :class:`ReplayStop`; the K/V are then gathered once), *attend* (each tile runs the whole layer
+over the gathered K/V and backpropagates its share of the output gradient) and *K/V gradients* (dK/dV
+reduce-scattered to their owners, each tile backpropagated from its core attention).  The attention takes
+part through the :class:`ReplayPort` it holds as ``replay_port``.  Parameter gradients are summed over the
+tiles and returned by one autograd node, so gradient hooks (Megatron's DDP) fire once per parameter.
+Dropout is not replayed per tile (a tile would draw other masks than the whole layer): callers refuse it.
+The algorithm and its memory: docs/memory-features.md (``--longctx-recompute-tiles``).
 """
 
 from __future__ import annotations
@@ -115,7 +93,13 @@ class Replay:
 
 class ReplayPort:
     """Held by an attention module as ``replay_port``: the replay handed in for the pass in progress
-    (:attr:`replay`, ``None`` outside one).  A collaborator, so the attention inherits nothing from here."""
+    (:attr:`replay`, ``None`` outside one).  A collaborator, so the attention inherits nothing from here.
+
+    For each pass the replay is handed in through :meth:`replaying`; the attention then runs
+    :meth:`Replay.step` on its tile (``lo``, ``hi``) with the per-layer state it keeps in
+    :meth:`Replay.state_for` (:class:`megatron_longctx.megatron.core_attention.ContextParallelAttention`
+    holds one port).
+    """
 
     def __init__(self) -> None:
         self.replay: Optional[Replay] = None

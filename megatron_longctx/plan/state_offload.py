@@ -1,30 +1,12 @@
 """Model-state offload (``--longctx-model-state-offload host|disk``) from what it moves: bytes and times.
 
-What the feature does (``docs/model-state-offload.md``): every transformer layer's bf16 weights (and the
-embedding's and output layer's) live off the GPU and come into one of two device slots one layer ahead on
-a side stream, for the forward and again for the recompute and backward; as a layer's backward ends its
-gradients leave the GPU and accumulate off it (fp32 main grads, 4 bytes, or 2 with
-``--main-grads-dtype bf16``); the optimizer is an AdamW on the CPU over Megatron's fp32 master weights
-(:mod:`megatron_longctx.memory.offdevice_optimizer`).  Per parameter of this GPU's stage:
-
-======================  ==============================  ==========================================
-                        ``host``                        ``disk``
-======================  ==============================  ==========================================
-bf16 weights (2)        pinned host memory              NVMe, read through a pinned staging buffer
-                                                        and a read-ahead buffer of the largest unit
-fp32 master (4)         host (Megatron's copies)        NVMe, one unit's in a pinned buffer at a time
-Adam moments (8)        host                            NVMe (+ 8 for the step's temporary file)
-main grads (4 | 2)      host, accumulated               NVMe, accumulated through the staging buffer
-======================  ==============================  ==========================================
-
-Per layer and micro-batch the host link carries ``2·P`` bytes in for the forward, ``2·P`` in again for
-the recompute/backward and ``g·P`` out (PCIe is full duplex: the outgoing gradients share the backward
-with the incoming weights).  A copy hides behind the compute of the layer before it: forward behind one
-layer forward, the backward's behind the recompute and backward (3 forwards under full recompute, else
-2).  ``disk`` reads the weights off NVMe (the slower of NVMe and PCIe bounds it) and writes the gradients
-to it (the accumulator's read-back on later micro-batches is not counted); the step's optimizer reads
-the gradients twice (the norm, the moments), reads the moments, writes the new ones and reads them back,
-reads and writes the masters and the bf16 weights (:func:`disk_step_bytes_per_param`).
+:func:`state_offload` gives the :class:`StateOffload` of one GPU of one pipeline stage: host and NVMe bytes
+by part (:meth:`~StateOffload.host_parts`, :meth:`~StateOffload.disk_parts`), one layer's copies against the
+compute they hide behind (:meth:`~StateOffload.layer_copies`, :class:`LayerCopies`) and the optimizer step
+on the CPU (:meth:`~StateOffload.optimizer_step_s`).  Per layer and micro-batch a layer's bf16 weights come
+in twice (forward, recompute/backward) and its main gradients go out once; each copy hides behind the
+compute of the layer before it, and ``disk`` is bounded by the slower of NVMe and PCIe.
+What the feature does, what moves where and the timing model: docs/model-state-offload.md.
 """
 
 from __future__ import annotations
