@@ -159,12 +159,8 @@ class LongContextPlugin:
     def build(self, build: Callable[[Any, dict[str, Any]], Any], config: Any, specs: dict[str, Any],
               who: str = "megatron-longctx") -> Any:
         """Build a model with the plugin in it: every spec through :meth:`spec` (``None`` passed through),
-        ``build(model_config(config), specs)`` inside each feature's :meth:`Feature.building` context, then
-        :meth:`install_and_report` on what it returns."""
+        ``build(model_config(config), specs)``, then :meth:`install_and_report` on what it returns."""
         specs = {name: None if spec is None else self.spec(spec, require=False) for name, spec in specs.items()}
-        with contextlib.ExitStack() as stack:
-            for feature in self.features:
-                stack.enter_context(feature.building(self.cfg))
-            model = build(self.model_config(config), specs)
+        model = build(self.model_config(config), specs)
         self.install_and_report(model, who)
         return model

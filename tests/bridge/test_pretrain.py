@@ -91,6 +91,8 @@ def _train(cp: int, steps: int = STEPS, save_at: int | None = None, save: str | 
     cfg.train.train_iters, cfg.train.exit_interval = steps, save_at
     cfg.checkpoint.save = save
     cfg = configure(cfg, **longctx)
+    if longctx.get("model_state_offload") == "disk":
+        cfg.model.register_pre_wrap_hook(_layers_built_into_files)
     with cpu_compat.enabled():
         try:
             pretrain(cfg, forward_step)
@@ -102,6 +104,17 @@ def _train(cp: int, steps: int = STEPS, save_at: int | None = None, save: str | 
     per_step = torch.stack(sums).view(len(sums) // micro_batches, micro_batches, 2).sum(1)
     dist.all_reduce(per_step)
     return [float(s / n) for s, n in per_step]
+
+
+def _layers_built_into_files(model: list) -> list:
+    """Bridge's pre-wrap hook: with ``disk`` no transformer layer holds its weights once built (each wrote
+    them to its file as it was built)."""
+    from megatron_longctx.memory.model_state_store import STASHED, is_placeholder
+
+    layers = [layer for chunk in model for layer in chunk.decoder.layers]
+    assert layers and all(os.path.getsize(getattr(layer, STASHED).path) > 0 for layer in layers)
+    assert all(is_placeholder(p) for layer in layers for p in layer.parameters())
+    return model
 
 
 def _saved_layer_spec(checkpoint_dir: str):

@@ -30,8 +30,8 @@ def _same_losses(ref, model, b: dict, tokens: torch.Tensor) -> None:
     assert_close(losses[1], losses[0], rtol=0, atol=0)
 
 
-def _seeded_gpt(**config: Any) -> Any:
-    """A 3-layer GPTModel (Megatron's local spec, RoPE, untied), the same weights on every call."""
+def _seeded_gpt(spec: Any = None, **config: Any) -> Any:
+    """A 3-layer GPTModel (``spec``, else Megatron's local spec; RoPE, untied), the same weights on every call."""
     import warnings
 
     from megatron.core.models.gpt import GPTModel
@@ -43,7 +43,7 @@ def _seeded_gpt(**config: Any) -> Any:
     model_parallel_cuda_manual_seed(3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return GPTModel(tiny_config(num_layers=3, **config), local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+        return GPTModel(tiny_config(num_layers=3, **config), spec or local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
                         position_embedding_type="rope", share_embeddings_and_output_weights=False)
 
 
@@ -101,14 +101,13 @@ def _built_on_disk_body(disk_dir: str) -> None:
     from megatron_longctx.megatron.features.model_states import FEATURE, _units, _unbacked_grad_buffers
     from megatron_longctx.memory.model_state_store import STASHED
     from tests.dist import megatron_parallel
-    from tests.gpt_kit import batch, cpu
+    from tests.gpt_kit import batch, cpu, local_spec
     from tests.memory.test_model_states import same_states
 
     cfg = LongContextConfig.from_flat({"model_state_offload": "disk", "offload_disk_dir": disk_dir})
     with cpu(), megatron_parallel():
         ref = _seeded_gpt()
-        with FEATURE.building(cfg):
-            model = _seeded_gpt()
+        model = _seeded_gpt(FEATURE.spec(local_spec(), cfg))
         # every layer's weights went to their file as it was built: no layer holds them in memory
         files = []
         for layer in model.decoder.layers:

@@ -72,11 +72,6 @@ class Feature:
     def model_config(self, config: Any, cfg: LongContextConfig) -> Any:
         return config
 
-    def building(self, cfg: LongContextConfig) -> contextlib.AbstractContextManager:
-        """A context the model is built in (:meth:`LongContextPlugin.build`), for a feature that acts as each
-        module is constructed."""
-        return contextlib.nullcontext()
-
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
         raise NotImplementedError
 

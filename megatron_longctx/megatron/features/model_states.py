@@ -19,7 +19,7 @@ then point at the off-device copy between uses, so what DDP and Megatron's optim
 ``install_and_report`` calls :meth:`ModelStatesFeature.defer` on the bare model the provider returns; the
 install happens when Megatron builds the optimizer over the DDP-wrapped chunks.  Until then no rank holds
 all of the states at once: with ``disk`` each transformer layer's weights go to their file as the layer is
-built (:meth:`ModelStatesFeature.building`), and DDP's gradient buffers, which the streamer replaces, are
+built (the spec's layers do it, :func:`stashing_spec`), and DDP's gradient buffers, which the streamer replaces, are
 laid out without memory behind them (:func:`_unbacked_grad_buffers`).
 """
 
@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -90,6 +91,76 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+class LayerStash:
+    """Where the layers a spec builds put their weights (:func:`stash_weights`): one run directory under
+    ``root``, made as the first layer is built (exit and signals remove it if no streamer takes its files)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.run_dir: Optional[RunDir] = None
+        self.layers = 0
+
+    def __deepcopy__(self, memo: dict) -> "LayerStash":  # a spec copied later still writes here
+        return self
+
+    def __call__(self, layer: torch.nn.Module) -> None:
+        config = getattr(layer, "config", None)  # Float16Module casts every parameter after the build
+        low = torch.bfloat16 if getattr(config, "bf16", False) else (
+            torch.float16 if getattr(config, "fp16", False) else None)
+        if self.run_dir is None:
+            self.run_dir = RunDir(os.path.join(self.root, "model-states"))
+        stash_weights(layer, self.run_dir, f"layer{self.layers}", low)
+        self.layers += 1
+
+
+@functools.lru_cache(maxsize=None)
+def _stashing(layer_class: type) -> type:
+    """``layer_class`` whose constructor takes ``longctx_stash`` (a :class:`LayerStash`) and hands it the
+    built layer."""
+
+    def __init__(self: Any, *args: Any, longctx_stash: LayerStash, **kwargs: Any) -> None:
+        layer_class.__init__(self, *args, **kwargs)
+        longctx_stash(self)
+
+    return type(layer_class.__name__, (layer_class,), {"__init__": __init__, "__module__": layer_class.__module__,
+                                                       "_longctx_stashing": True})
+
+
+def stashing_spec(spec: Any, stash: LayerStash) -> Any:
+    """A copy of ``spec`` in which every ``TransformerLayer`` spec builds a layer that hands itself to
+    ``stash`` once constructed, so that a model built from it is never whole in memory."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_longctx.megatron.spec_walk import KEEP, is_module_spec, walk_spec
+
+    out, _ = walk_spec(spec, lambda submodules, name, entry: KEEP)
+    seen: set[int] = set()
+
+    def visit(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if is_module_spec(obj):
+            module = obj.module
+            if isinstance(module, type) and issubclass(module, TransformerLayer):
+                if not getattr(module, "_longctx_stashing", False):
+                    obj.module = _stashing(module)
+                obj.params["longctx_stash"] = stash
+            visit(obj.submodules)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                visit(x)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name))
+
+    visit(out)
+    return out
+
+
 class ModelStatesFeature(Feature):
     name = "model states"
     waits_for_optimizer = True
@@ -97,40 +168,13 @@ class ModelStatesFeature(Feature):
     def enabled(self, cfg: LongContextConfig) -> bool:
         return cfg.model_states.enabled
 
-    @contextlib.contextmanager
-    def building(self, cfg: LongContextConfig) -> Iterator[None]:
-        """With ``disk``: each transformer layer's weights are written to a file as Megatron's block builds the
-        layer, and the layer keeps placeholders (:func:`~megatron_longctx.memory.model_state_store.stash_weights`);
-        the streamer takes the files as its units' own at install."""
+    def spec(self, spec: Any, cfg: LongContextConfig) -> Any:
+        """With ``disk``: every transformer layer the spec builds writes its weights to a file as it is built
+        and keeps placeholders (:func:`stashing_spec`); the streamer takes the files as its units' own at
+        install."""
         if cfg.model_states.model_state_offload != "disk":
-            yield
-            return
-        import megatron.core.transformer.transformer_block as block
-        from megatron.core.transformer.transformer_layer import TransformerLayer
-
-        run_dir = RunDir(os.path.join(default_root(cfg.memory), "model-states"))
-        stashed = 0
-
-        def build_module(original: Callable[..., Any], spec: Any, *args: Any, **kwargs: Any) -> Any:
-            nonlocal stashed
-            module = original(spec, *args, **kwargs)
-            if isinstance(module, TransformerLayer):
-                config = getattr(module, "config", None)  # Float16Module casts every parameter after the build
-                low = torch.bfloat16 if getattr(config, "bf16", False) else (
-                    torch.float16 if getattr(config, "fp16", False) else None)
-                stash_weights(module, run_dir, f"layer{stashed}", low)
-                stashed += 1
-            return module
-
-        with patch(block, "build_module", functools.partial(build_module, block.build_module),
-                   reason=f"{FLAG} disk: each layer's weights to its file as the layer is built"):
-            try:
-                yield
-            except BaseException:
-                run_dir.remove()
-                raise
-        if not stashed:
-            run_dir.remove()
+            return spec
+        return stashing_spec(spec, LayerStash(default_root(cfg.memory)))
 
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
         ms, mem = cfg.model_states, cfg.memory
