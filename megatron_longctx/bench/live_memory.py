@@ -143,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_longctx.bench.live_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="megatron-flash+cp+recompute,ring+all,allgather+all")
     p.add_argument("--seq-lengths", default="2048,4096")
-    p.add_argument("--preset", default="llama", choices=sorted(regression.PRESETS))
+    p.add_argument("--preset", default="llama-h256", choices=sorted(regression.PRESETS))
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (as the benchmark's --bf16)")
     p.add_argument("--out", default=None, help="JSON file to write")

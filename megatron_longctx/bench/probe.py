@@ -36,7 +36,7 @@ from megatron_longctx.procs import process_groups_released
 
 
 # Local tokens of the job's warm-up point.  MKL keeps the packing buffers of its larger matrix products
-# for the life of the process (about 3.5 MiB for the llama preset), and products of a few dozen tokens
+# for the life of the process (about 3.5 MiB for the llama-h256 preset), and products of a few dozen tokens
 # per rank do not make them: a warm-up that short leaves them to the first measured point of the job,
 # whose base is measured before them, while every later point's base holds them already.  At 512
 # tokens per rank the first point measures what the later ones do.

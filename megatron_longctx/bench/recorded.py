@@ -29,7 +29,7 @@ def gate_probe(gate: dict[str, Any], log: Callable[[str], None] = lambda s: None
 
     seq, nproc = int(gate["seq_length"]), int(gate.get("nproc_per_node", 2))
     args = regression.build_parser().parse_args([
-        "--nproc-per-node", str(nproc), "--preset", gate.get("preset", "llama"),
+        "--nproc-per-node", str(nproc), "--preset", gate["preset"],
         "--max-seq-start", str(seq), "--max-seq-cap", str(seq), "--timeout", str(gate.get("timeout_s", 600))])
     shape = regression.model_shape(args)
     data_dir = data_dir or os.path.join(tempfile.gettempdir(), "longctx-gate-data")

@@ -38,18 +38,18 @@ ENFORCEMENT_CPU = "enforced: a probe dies when a rank's resident memory grows pa
 ENFORCEMENT_GPU = "enforced: torch.cuda.set_per_process_memory_fraction; OOM = failure"
 BUDGET_MARKER = "[memory budget]"
 
-# Model shapes.  llama: Llama proportions at small width (ffn = 3.5·h, vocabulary = 32·h as Llama-3's
+# Model shapes.  llama-h256: Llama proportions at small width (ffn = 3.5·h, vocabulary = 32·h as Llama-3's
 # 128K at h = 4096).  The tokens are the project's ByteTokenizer (UTF-8 bytes of the Python standard
 # library's sources, offline; ids < 258), the output layer has the preset's 8,192 rows, as Megatron's
 # NullTokenizer with --vocab-size 8192 would give over the same bytes.
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
-              "ffn_hidden_size": 896, "vocab_size": 8192, "swiglu": True, "normalization": "RMSNorm",
-              "add_bias_linear": False, "budget_mib": 160.0},
+    "llama-h256": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
+                   "ffn_hidden_size": 896, "vocab_size": 8192, "swiglu": True, "normalization": "RMSNorm",
+                   "add_bias_linear": False, "budget_mib": 160.0},
     "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 256, "vocab_size": None, "swiglu": False, "normalization": "LayerNorm",
              "add_bias_linear": True, "budget_mib": 64.0},
-    # llama at 8 layers: 11.0M parameters, 168 MiB of float32 weights, main gradients and Adam moments per
+    # llama-h256 at 8 layers: 11.0M parameters, 168 MiB of float32 weights, main gradients and Adam moments per
     # rank, 84% of its budget; the model-state rows' headline is measured on it
     "llama-states": {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
                      "ffn_hidden_size": 896, "vocab_size": 8192, "swiglu": True, "normalization": "RMSNorm",
@@ -67,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=None, help="comma-separated configuration names (default: all)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per point (the median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per point")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="llama",
-                   help="model shape: llama (hidden 256, 4 layers, 8 heads / 2 KV groups, SwiGLU ffn 896, RMSNorm, "
-                        "RoPE, untied output layer, vocabulary 8192), llama-states (the same at 8 layers: its float32 "
-                        "weights, gradients and Adam moments are 84%% of its 200 MiB budget; the model-state rows' "
-                        "model) or tiny (the fast 2-layer hidden-64 GELU model)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-h256",
+                   help="model shape: llama-h256 (hidden 256, 4 layers, 8 heads / 2 KV groups, SwiGLU ffn 896, "
+                        "RMSNorm, RoPE, untied output layer, vocabulary 8192), llama-states (the same at 8 layers: its "
+                        "float32 weights, gradients and Adam moments are 84%% of its 200 MiB budget; the model-state "
+                        "rows' model) or tiny (the fast 2-layer hidden-64 GELU model)")
     for flag in ("num-layers", "hidden-size", "num-attention-heads", "num-query-groups", "ffn-hidden-size",
                  "vocab-size"):
         p.add_argument(f"--{flag}", type=int, default=None, help="override the preset's value")
@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--budget-mib", type=float, default=None,
-                   help="per-rank memory budget of the max-sequence search (default on CPU: 160 for the llama "
-                        "preset, 200 for llama-states, 64 for tiny, each + 2 bytes per parameter with --bf16; "
+                   help="per-rank memory budget of the max-sequence search (default on CPU: 160 for llama-h256, "
+                        "200 for llama-states, 64 for tiny, each + 2 bytes per parameter with --bf16; "
                         "80%% of the GPU)")
     p.add_argument("--max-seq-configs", default=",".join(MAX_SEQ_DEFAULT),
                    help="configurations searched for max sequence (the headline is the best plugin one over the "

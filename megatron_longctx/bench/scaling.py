@@ -1,9 +1,9 @@
 """``megatron-longctx bench scaling`` (= ``python -m megatron_longctx.bench.scaling``): how one training step
 grows with the sequence, through Megatron-LM's unmodified ``pretrain_gpt.py``.
 
-One Llama-proportioned model (2 layers, hidden 128, 4 query heads / 2 query groups, SwiGLU ffn 352, RMSNorm,
-RoPE, untied embeddings, no biases, vocabulary 8,192, float32, Megatron's mock data, one sequence per step),
-trained by the unmodified script under ``python -m megatron_longctx.launch`` in four series:
+One Llama-proportioned model, ``llama-h128`` (2 layers, hidden 128, 4 query heads / 2 query groups, SwiGLU ffn
+352, RMSNorm, RoPE, untied embeddings, no biases, vocabulary 8,192, float32, Megatron's mock data, one sequence per
+step), trained by the unmodified script under ``python -m megatron_longctx.launch`` in four series:
 
 * ``windowed``: the plugin with a sliding window (``--window-size 2048,0``) at 16K, 64K, 256K and 1M tokens;
 * ``causal``: the same without a window, at doubling lengths as far as the per-step time budget allows;
@@ -59,8 +59,8 @@ RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform",
 
 # The benchmarked models, in the planner's shape type (vocabularies already multiples of Megatron's 128).
 MODELS = {
-    "llama": ModelShape(name="Llama-proportioned", num_layers=2, hidden_size=128, num_attention_heads=4,
-                        num_query_groups=2, kv_channels=32, ffn_hidden_size=352, vocab_size=8192),
+    "llama-h128": ModelShape(name="llama-h128", num_layers=2, hidden_size=128, num_attention_heads=4,
+                             num_query_groups=2, kv_channels=32, ffn_hidden_size=352, vocab_size=8192),
     "tiny": ModelShape(name="tiny", num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
                        kv_channels=16, ffn_hidden_size=64, vocab_size=256),  # tests: seconds per run
 }
@@ -162,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "added to the planner's memory; 0: none (the planner's bytes alone)")
     p.add_argument("--startup-s", type=float, default=900.0,
                    help="seconds a run may take besides its steps (start-up, dataset) before it is killed")
-    p.add_argument("--model", choices=sorted(MODELS), default="llama",
-                   help="llama: the Llama-proportioned model above; tiny: 1 layer, hidden 32 (tests)")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-h128",
+                   help="llama-h128: the Llama-proportioned model above; tiny: 1 layer, hidden 32 (tests)")
     p.add_argument("--output-dir", default="runs/scaling")
     p.add_argument("--megatron-lm-dir", default=None,
                    help=f"folder with Megatron-LM's pretrain_gpt.py (default: ${lm_scripts.SCRIPTS_ENV}, then "

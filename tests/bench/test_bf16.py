@@ -75,15 +75,15 @@ def _parameters(shapes):
 
 def test_parameter_count_and_the_bf16_budget():
     shapes = []
-    for preset in ("llama", "tiny"):
+    for preset in ("llama-h256", "tiny"):
         args = regression.build_parser().parse_args(["--preset", preset, "--bf16"])
         shapes.append(regression.model_shape(args))
     assert all(s["bf16"] for s in shapes)
     counts = run_ranks(2, _parameters, [{k: v for k, v in s.items() if k != "bf16"} for s in shapes])[0]
     assert [regression.parameter_count(s) for s in shapes] == counts
     llama = shapes[0]
-    assert regression._default_budget_mib("llama", dict(llama, bf16=False)) == 160.0
-    assert regression._default_budget_mib("llama", llama) == 160.0 + 2 * counts[0] / 2**20
+    assert regression._default_budget_mib("llama-h256", dict(llama, bf16=False)) == 160.0
+    assert regression._default_budget_mib("llama-h256", llama) == 160.0 + 2 * counts[0] / 2**20
 
 
 def test_bench_end_to_end_in_bf16(tmp_path):

@@ -84,7 +84,7 @@ def test_predicted_step_follows_the_cost_model():
 
 
 def _series_rows(runner, lengths, series="causal", **overrides):
-    sweep = dict(model=scaling.MODELS["llama"], window=(2048, 0), budget_s=100.0, memory_budget_gib=8.0,
+    sweep = dict(model=scaling.MODELS["llama-h128"], window=(2048, 0), budget_s=100.0, memory_budget_gib=8.0,
                  single_step_from=1 << 20, startup_s=60.0)
     kw = dict(fixed_mib=None, runner=runner, log=lambda _: None)
     for key, value in overrides.items():
@@ -141,7 +141,7 @@ def test_failure_and_memory_budget_stop_a_series():
 
 
 def test_planner_memory_is_the_configuration_s_plus_the_calibrated_footprint():
-    model = scaling.MODELS["llama"]
+    model = scaling.MODELS["llama-h128"]
     plugin, megatron = scaling.SERIES["windowed"], scaling.SERIES["megatron-causal"]
     # linear for the plugin (checkpoint offload, tiled MLP and loss), quadratic for Megatron's own attention
     a, b = (scaling.planner_bytes(model, plugin, s) for s in (1 << 18, 1 << 20))
