@@ -195,9 +195,9 @@ def _mlp_fn(impl: str, mlp: _SwiGLU, shards: int) -> Callable[[torch.Tensor], to
 def _loss_fn(impl: str, weight: torch.Tensor, shards: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Mean token cross-entropy of ``hidden`` ``[s, b, h]`` against ``labels`` ``[b, s]``."""
     if impl == "ours-tiled-loss":
-        from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+        from megatron_longctx.memory.tiled_loss import TiledLossArgs, tiled_logits_loss
 
-        return lambda x, y: tiled_logits_loss(x, weight, y, None, shards).mean()
+        return lambda x, y: tiled_logits_loss(x, weight, y, TiledLossArgs(shards)).mean()
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
     head = torch.nn.Module()

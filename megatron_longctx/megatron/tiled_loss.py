@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_longctx.memory import residual_offload
-from megatron_longctx.memory.tiled_loss import group_size_rank, tiled_logits_loss
+from megatron_longctx.memory.tiled_loss import TiledLossArgs, group_size_rank, tiled_logits_loss
 from megatron_longctx.patching import patch
 
 
@@ -77,10 +77,10 @@ def install_tiled_loss(gpt_model: torch.nn.Module, num_tiles: int, recompute: bo
         norm_forward = None if final_norm is None else final_norm.forward  # the norm's own (or lean) forward
 
         def tiled(labels: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-            return tiled_logits_loss(hidden, seen["weight"], labels, getattr(output_layer, "tp_group", None),
-                                     num_tiles, reduce_grad_input=seen["reduce"], recompute=recompute,
-                                     into_main_grad=seen["own_weight"], norm=final_norm, norm_forward=norm_forward,
-                                     grad_target=grad_target)
+            args = TiledLossArgs(num_tiles, getattr(output_layer, "tp_group", None), reduce_grad_input=seen["reduce"],
+                                 recompute=recompute, into_main_grad=seen["own_weight"], norm=final_norm,
+                                 norm_forward=norm_forward, grad_target=grad_target)
+            return tiled_logits_loss(hidden, seen["weight"], labels, args)
 
         def pass_hidden(hidden: torch.Tensor, weight: Optional[torch.Tensor] = None, **_: Any) -> tuple:
             seen["weight"] = output_layer.weight if weight is None else weight

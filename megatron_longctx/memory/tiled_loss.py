@@ -32,13 +32,51 @@ from megatron_longctx.memory import grad_buffers, residual_offload
 
 @dataclasses.dataclass(frozen=True)
 class TiledLossArgs:
-    tp_group: Any  # vocab-parallel group (None or size 1: whole vocabulary here)
+    """How :func:`tiled_logits_loss` runs (``ValueError`` naming the flag for a bad value).
+
+    num_tiles: sequence tiles; peak extra memory is one ``[s/num_tiles, b, V/tp]`` float32 tile (each tile's
+        buffer is released before the next tile's is allocated), and ``[s, b, h]`` + ``[V/tp, h]`` float32
+        held from forward to backward.
+    tp_group: the vocab-parallel (tensor-parallel) group; None or size 1: the whole vocabulary here.
+    reduce_grad_input: all-reduce ``d hidden`` over ``tp_group`` (hidden replicated, as in a
+        ColumnParallelLinear without sequence parallel); False when the caller's gather reduces it.
+    recompute: keep only ``hidden`` and the log-sum-exp from forward; backward recomputes each tile's logits
+        (one more matmul per tile, no ``[s, b, h]`` / ``[V/tp, h]`` buffers held in between).
+    into_main_grad: with ``recompute``, the weight's gradient accumulates into its Megatron ``main_grad`` (set
+        only for a weight no other module uses: a tied embedding's own gradient would be skipped by
+        Megatron's hook); ignored without it.
+    norm: with ``recompute``, a token-wise norm module applied to ``hidden`` first, one tile at a time in
+        forward and again in backward: its ``[s, b, h]`` output is never kept (``hidden`` is the norm's
+        input).  ``norm_forward`` calls it (default: the module itself).
+    grad_target: with ``recompute``, the gradient of ``hidden`` goes there a tile at a time when the node that
+        receives it reads streams (a tiled layer replay, :mod:`residual_offload`); ignored without it.
+    """
+
     num_tiles: int
-    reduce_grad_input: bool  # hidden is replicated over tp_group: all-reduce its gradient
-    recompute: bool = False  # backward recomputes the logits (forward keeps hidden and lse only)
-    into_main_grad: bool = False  # recompute: the weight's gradient accumulates into its Megatron main_grad
-    norm: Optional[Callable] = None  # recompute: the final norm, applied per tile (hidden is its input)
-    grad_target: Optional[residual_offload.Target] = None  # recompute: d hidden may stream (--longctx-offload-residual-grad)
+    tp_group: Any = None
+    reduce_grad_input: bool = True
+    recompute: bool = False
+    into_main_grad: bool = False
+    norm: Optional[torch.nn.Module] = None
+    norm_forward: Optional[Callable] = None
+    grad_target: Optional[residual_offload.Target] = None
+
+    def __post_init__(self) -> None:
+        if self.num_tiles < 1:
+            raise ValueError(f"--longctx-tiled-loss-tiles: got {self.num_tiles}; give an integer >= 1")
+        if self.norm is not None and not self.recompute:
+            raise ValueError("tiled_logits_loss: a norm is applied per tile only with recompute=True "
+                             "(--longctx-tiled-loss-recompute)")
+        if not self.recompute:
+            object.__setattr__(self, "into_main_grad", False)
+            object.__setattr__(self, "grad_target", None)
+
+    def apply_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.norm_forward or self.norm)(hidden)  # type: ignore[misc]
+
+    @property
+    def norm_params(self) -> tuple:
+        return () if self.norm is None else tuple(p for p in self.norm.parameters() if p.requires_grad)
 
 
 def group_size_rank(group: Any) -> tuple[int, int]:
@@ -114,7 +152,7 @@ def tiled_loss_forward(args: TiledLossArgs, hidden: torch.Tensor, weight: torch.
         h = hidden[start:end]  # [t, b, h]
         if args.norm is not None:
             with torch.no_grad():
-                h = args.norm(h)  # [t, b, h]
+                h = args.apply_norm(h)  # [t, b, h]
         logits, sum_exp = _tile_loss(args, h, weight, target[start:end], v_start, lse[start:end], loss[start:end])
         if d_weight is None:  # recompute: the tile's backward runs in backward
             del logits
@@ -193,7 +231,7 @@ def tiled_loss_backward_recompute(args: TiledLossArgs, hidden: torch.Tensor, wei
         if args.norm is not None:
             x = x.detach().requires_grad_(True)
             with torch.enable_grad():
-                normed = args.norm(x)  # [t, b, h]
+                normed = args.apply_norm(x)  # [t, b, h]
             h = normed.detach()
         probs = _tile_logits(h, weight).sub_(lse[start:end].unsqueeze(-1)).exp_()  # [t, b, V/tp]
         grad_logits = _softmax_minus_onehot(probs, target[start:end], v_start)
@@ -259,48 +297,21 @@ class TiledLogitsLoss(torch.autograd.Function):
         return None, grad_buffers.own(grad_hidden, ctx.watch), grad_weight, None
 
 
-def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels: torch.Tensor, tp_group: Any,
-                      num_tiles: int, *, reduce_grad_input: bool = True, recompute: bool = False,
-                      into_main_grad: bool = False, norm: Optional[torch.nn.Module] = None,
-                      norm_forward: Optional[Callable] = None,
-                      grad_target: Optional[residual_offload.Target] = None) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ output_weight.T`` against ``labels``, over ``num_tiles`` sequence tiles.
+def tiled_logits_loss(hidden: torch.Tensor, output_weight: torch.Tensor, labels: torch.Tensor,
+                      args: TiledLossArgs) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ output_weight.T`` against ``labels``, over ``args.num_tiles`` sequence tiles.
 
     Args:
         hidden: ``[s, b, h]`` final hidden states (this CP rank's tokens; full sequence under TP).
         output_weight: ``[V/tp, h]`` this TP rank's vocabulary rows (rank r owns rows ``r·V/tp ...``).
         labels: ``[b, s]`` token ids.
-        tp_group: the vocab-parallel (tensor-parallel) group, or None.
-        num_tiles: sequence tiles; peak extra memory is one ``[s/num_tiles, b, V/tp]`` float32 tile (each
-            tile's buffer is released before the next tile's is allocated), and
-            ``[s, b, h]`` + ``[V/tp, h]`` float32 held from forward to backward.
-        reduce_grad_input: all-reduce ``d hidden`` over ``tp_group`` (hidden replicated, as in a
-            ColumnParallelLinear without sequence parallel); False when the caller's gather reduces it.
-        recompute: keep only ``hidden`` and the log-sum-exp from forward; backward recomputes each tile's
-            logits (one more matmul per tile, no ``[s, b, h]`` / ``[V/tp, h]`` buffers held in between).
-        into_main_grad: with ``recompute``, accumulate the weight's gradient into its Megatron
-            ``main_grad`` (set only for a weight no other module uses: a tied embedding's own gradient
-            would be skipped by Megatron's hook).
-        norm: with ``recompute``, a token-wise norm module applied to ``hidden`` first, one tile at a time
-            in forward and again in backward: its ``[s, b, h]`` output is never kept (``hidden`` is the
-            norm's input).  ``norm_forward`` calls it (default: the module itself).
-        grad_target: with ``recompute``, the gradient of ``hidden`` goes there a tile at a time when the
-            node that receives it reads streams (a tiled layer replay, :mod:`residual_offload`).
+        args: how it is tiled, recomputed and reduced (:class:`TiledLossArgs`).
     Returns:
         per-token loss ``[b, s]`` float32, as Megatron's ``compute_language_model_loss``.
     """
-    if num_tiles < 1:
-        raise ValueError(f"--longctx-tiled-loss-tiles: got {num_tiles}; give an integer >= 1")
     if hidden.dim() != 3 or labels.shape != (hidden.shape[1], hidden.shape[0]):
         raise ValueError(f"tiled_logits_loss: hidden must be [s, b, h] and labels [b, s]; got "
                          f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
-    if norm is not None and not recompute:
-        raise ValueError("tiled_logits_loss: a norm is applied per tile only with recompute=True")
-    args = TiledLossArgs(tp_group=tp_group, num_tiles=num_tiles, reduce_grad_input=reduce_grad_input,
-                         recompute=recompute, into_main_grad=recompute and into_main_grad,
-                         norm=None if norm is None else (norm_forward or norm),
-                         grad_target=grad_target if recompute else None)
     target = labels.transpose(0, 1).contiguous()  # [s, b]
-    norm_params = () if norm is None else tuple(p for p in norm.parameters() if p.requires_grad)
-    loss = TiledLogitsLoss.apply(args, hidden, output_weight, target, *norm_params)  # [s, b]
+    loss = TiledLogitsLoss.apply(args, hidden, output_weight, target, *args.norm_params)  # [s, b]
     return loss.transpose(0, 1).contiguous()  # [b, s]

@@ -52,7 +52,7 @@ def test_wiring_rejects_what_it_cannot_do():
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_longctx.megatron.memory_spec import apply_memory_to_layer_spec, install
-    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+    from megatron_longctx.memory.tiled_loss import TiledLossArgs, tiled_logits_loss
     from megatron_longctx.megatron.tiled_mlp import tiled_mlp_spec
 
     with pytest.raises(ValueError, match="MemoryConfig"):
@@ -64,9 +64,11 @@ def test_wiring_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="--longctx-tiled-mlp-tiles"):
         apply_memory_to_layer_spec(ModuleSpec(module=torch.nn.Linear), MemoryConfig(tiled_mlp_tiles=2))
     with pytest.raises(ValueError, match="--longctx-tiled-loss-tiles"):
-        tiled_logits_loss(torch.zeros(4, 1, 2), torch.zeros(3, 2), torch.zeros(1, 4, dtype=torch.long), None, 0)
+        TiledLossArgs(0)
+    with pytest.raises(ValueError, match="--longctx-tiled-loss-recompute"):
+        TiledLossArgs(2, norm=torch.nn.LayerNorm(2))
     with pytest.raises(ValueError, match=r"\[b, s\]"):
-        tiled_logits_loss(torch.zeros(4, 1, 2), torch.zeros(3, 2), torch.zeros(4, 1, dtype=torch.long), None, 2)
+        tiled_logits_loss(torch.zeros(4, 1, 2), torch.zeros(3, 2), torch.zeros(4, 1, dtype=torch.long), TiledLossArgs(2))
     from megatron_longctx.memory.offload import ActivationOffloader
 
     with pytest.raises(ValueError, match="--longctx-offload-policy"):

@@ -127,7 +127,7 @@ def test_recomputing_tiled_loss_honours_a_fused_final_norm():
 
     earlier = [torch.randn(h, dtype=torch.float32)]
     finish = _ddp([norm.weight], earlier)
-    loss = tiled_loss.tiled_logits_loss(hidden, weight, labels, None, 3, recompute=True, norm=norm)
+    loss = tiled_loss.tiled_logits_loss(hidden, weight, labels, tiled_loss.TiledLossArgs(3, recompute=True, norm=norm))
     got = torch.autograd.grad(loss.sum(), (hidden, weight, norm.weight))
     norm.weight.grad = got[2]
     finish()

@@ -167,7 +167,7 @@ def test_the_recomputing_tiled_loss_writes_its_hidden_gradient_to_a_stream(where
                                                   reduction="none").reshape(s, b)
     (want,) = torch.autograd.grad((per_token * grad_loss).sum(), hidden)
 
-    args = tiled_loss.TiledLossArgs(tp_group=None, num_tiles=3, reduce_grad_input=False, recompute=True)
+    args = tiled_loss.TiledLossArgs(3, reduce_grad_input=False, recompute=True)
     _, lse, _, _ = tiled_loss.tiled_loss_forward(args, hidden.detach(), weight, target)
     stream = residual_offload.ResidualGradOffload(hidden.shape, hidden.dtype, hidden.device, str(tmp_path) if where == "disk" else None)
     got, _ = tiled_loss.tiled_loss_backward_recompute(args, hidden.detach(), weight, target, lse, grad_loss, (), stream)

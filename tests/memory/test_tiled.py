@@ -24,7 +24,7 @@ def _loss_matches_vocab_parallel_cross_entropy():
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+    from megatron_longctx.memory.tiled_loss import TiledLossArgs, tiled_logits_loss
 
     with cpu(), megatron_parallel(tp=2):
         tp = parallel_state.get_tensor_model_parallel_group()
@@ -41,7 +41,7 @@ def _loss_matches_vocab_parallel_cross_entropy():
             x = hidden.clone().requires_grad_()
             w = weight.clone().requires_grad_()
             if tiled:
-                loss = tiled_logits_loss(x, w, labels, tp, num_tiles, recompute=recompute)  # [b, s]
+                loss = tiled_logits_loss(x, w, labels, TiledLossArgs(num_tiles, tp, recompute=recompute))  # [b, s]
             else:
                 logits = copy_to_tensor_model_parallel_region(x) @ w.t()  # [s, b, V/tp]
                 loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous()).t()  # [b, s]
@@ -72,8 +72,8 @@ def _loss_matches_vocab_parallel_cross_entropy():
         for recompute in (False, True):
             local = hidden_sp[rank * 7:(rank + 1) * 7].clone().requires_grad_()  # [s_pad/tp, b, h]
             w = weight.clone().requires_grad_()
-            loss = tiled_logits_loss(gather_from_sequence_parallel_region(local, group=tp), w, labels_sp, tp, 3,
-                                     reduce_grad_input=False, recompute=recompute)  # [b, s_pad]
+            loss = tiled_logits_loss(gather_from_sequence_parallel_region(local, group=tp), w, labels_sp,
+                                     TiledLossArgs(3, tp, reduce_grad_input=False, recompute=recompute))  # [b, s_pad]
             (loss * grad_sp).sum().backward()
             torch.testing.assert_close(loss[:, :s], exact[0])
             torch.testing.assert_close(local.grad, full_grad[rank * 7:(rank + 1) * 7])
@@ -96,7 +96,7 @@ def _float64_oracle(hidden, weight, labels, grad_out):
 
 def test_tiled_loss_backward_in_forward_any_incoming_gradient():
     """The uniform-gradient path, masked tokens (corrected in backward) and an arbitrary gradient, vs float64."""
-    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+    from megatron_longctx.memory.tiled_loss import TiledLossArgs, tiled_logits_loss
 
     g = torch.Generator().manual_seed(1)
     s, b, h, vocab = 11, 2, 6, 17
@@ -112,14 +112,14 @@ def test_tiled_loss_backward_in_forward_any_incoming_gradient():
         for tiles in (1, 3, 11):
             x = hidden.clone().requires_grad_()
             w = weight.clone().requires_grad_()
-            loss = tiled_logits_loss(x, w, labels, None, tiles)
+            loss = tiled_logits_loss(x, w, labels, TiledLossArgs(tiles))
             (loss * grad_out).sum().backward(retain_graph=True)
             assert_same(exact, (loss.detach(), {"hidden": x.grad, "weight": w.grad}))
             with pytest.raises(RuntimeError, match="retain_graph"):
                 (loss * grad_out).sum().backward()
     # float32: Megatron's precision, against the same float64 oracle
     x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
-    loss = tiled_logits_loss(x, w, labels, None, 4)
+    loss = tiled_logits_loss(x, w, labels, TiledLossArgs(4))
     (loss * (mask / mask.sum()).float()).sum().backward()
     exact = _float64_oracle(hidden, weight, labels, mask / mask.sum())
     # measured: loss 7.4e-7 (loss <= 10.9), d hidden 2.2e-8 (<= 0.19), d weight 4.1e-8 (<= 0.24)
@@ -143,7 +143,7 @@ def _tile_inputs(seed):
 def test_tiled_loss_holds_one_logits_tile_at_a_time():
     """Peak bytes the tiled loss creates, forward and backward (masked tokens corrected): one logits tile."""
     from megatron_longctx.bench.live_memory import LiveTensors
-    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+    from megatron_longctx.memory.tiled_loss import TiledLossArgs, tiled_logits_loss
 
     _, hidden, weight, labels, mask = _tile_inputs(2)  # a whole tile of masked tokens: corrected in backward
     (s, b, h), vocab, tiles = hidden.shape, weight.shape[0], 4
@@ -153,7 +153,7 @@ def test_tiled_loss_holds_one_logits_tile_at_a_time():
     with LiveTensors() as live:
         held = (x.view_as(x), w.view_as(w))  # the inputs' storages are counted from here on, outside the peaks
         start = live.peak = live.live
-        loss = tiled_logits_loss(x, w, labels, None, tiles)
+        loss = tiled_logits_loss(x, w, labels, TiledLossArgs(tiles))
         forward_peak = live.peak - start
         live.peak = live.live
         (loss * grad_out).sum().backward()
@@ -170,7 +170,7 @@ def test_tiled_loss_recompute_any_incoming_gradient_and_memory():
     """--longctx-tiled-loss-recompute: the same loss and gradients as float64 for any incoming gradient, a
     second backward allowed; forward holds one logits tile and [s, b] statistics, nothing [s, b, h] or [V, h]."""
     from megatron_longctx.bench.live_memory import LiveTensors
-    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+    from megatron_longctx.memory.tiled_loss import TiledLossArgs, tiled_logits_loss
 
     g, hidden, weight, labels, mask = _tile_inputs(4)
     (s, b, h), vocab, tiles = hidden.shape, weight.shape[0], 4
@@ -180,7 +180,7 @@ def test_tiled_loss_recompute_any_incoming_gradient_and_memory():
         with LiveTensors() as live:
             held = (x.view_as(x), w.view_as(w))
             start = live.peak = live.live
-            loss = tiled_logits_loss(x, w, labels, None, tiles, recompute=True)
+            loss = tiled_logits_loss(x, w, labels, TiledLossArgs(tiles, recompute=True))
             forward_peak = live.peak - start
             forward_kept = live.live - start
             live.peak = live.live
@@ -203,7 +203,7 @@ def test_tiled_loss_recompute_accumulates_into_megatron_main_grad():
     """An untied output weight under Megatron's DDP: d W is added into main_grad (kept from earlier
     microbatches), grad_added_to_main_grad is set, and no [V, h] buffer of the loss's own is made."""
     from megatron_longctx.bench.live_memory import LiveTensors
-    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+    from megatron_longctx.memory.tiled_loss import TiledLossArgs, tiled_logits_loss
 
     g = torch.Generator().manual_seed(5)
     s, b, h, vocab = 48, 2, 8, 2048
@@ -217,7 +217,7 @@ def test_tiled_loss_recompute_accumulates_into_megatron_main_grad():
     earlier = torch.randn(vocab, h, generator=g) / 64  # what earlier microbatches accumulated
     w.main_grad = earlier.clone()
     w.grad_added_to_main_grad = False
-    loss = tiled_logits_loss(x, w, labels, None, 3, recompute=True, into_main_grad=True)
+    loss = tiled_logits_loss(x, w, labels, TiledLossArgs(3, recompute=True, into_main_grad=True))
     with LiveTensors() as live:
         held = (x.view_as(x), w.view_as(w), w.main_grad.view_as(w))  # counted from here on, outside the peak
         start = live.peak = live.live
@@ -235,7 +235,7 @@ def test_tiled_loss_recompute_accumulates_into_megatron_main_grad():
     # without the flag Megatron's hook adds the returned gradient: it is returned, main_grad untouched
     w2 = torch.nn.Parameter(weight.float())
     w2.main_grad = earlier.clone()
-    tiled_logits_loss(hidden.float(), w2, labels, None, 3, recompute=True, into_main_grad=True).sum().backward()
+    tiled_logits_loss(hidden.float(), w2, labels, TiledLossArgs(3, recompute=True, into_main_grad=True)).sum().backward()
     torch.testing.assert_close(w2.main_grad, earlier)
     exact = _float64_oracle(hidden.float().double(), weight.float().double(), labels, torch.ones(b, s, dtype=torch.float64))
     torch.testing.assert_close(w2.grad.double(), exact[1]["weight"], rtol=0, atol=2.7e-6)  # measured 9.0e-7
@@ -245,7 +245,7 @@ def test_tiled_loss_in_bf16_holds_a_float32_tile_and_its_bf16_copy():
     """bf16 hidden and weight: logits, D and D^T h in float32; D^T h is made from the float32 D (no second
     float32 copy of a tile), D @ W from a bf16 copy of it."""
     from megatron_longctx.bench.live_memory import LiveTensors
-    from megatron_longctx.memory.tiled_loss import tiled_logits_loss
+    from megatron_longctx.memory.tiled_loss import TiledLossArgs, tiled_logits_loss
 
     g = torch.Generator().manual_seed(3)
     s, b, h, vocab, tiles = 64, 1, 8, 4096, 4
@@ -257,7 +257,7 @@ def test_tiled_loss_in_bf16_holds_a_float32_tile_and_its_bf16_copy():
     with LiveTensors() as live:
         held = (x.view_as(x), w.view_as(w))
         start = live.peak = live.live
-        loss = tiled_logits_loss(x, w, labels, None, tiles)
+        loss = tiled_logits_loss(x, w, labels, TiledLossArgs(tiles))
         forward_peak = live.peak - start
         del held
     kept = vocab * h * 4 + s * b * h * 2  # D^T h [V, h] float32 and D @ W [s, b, h] bf16
