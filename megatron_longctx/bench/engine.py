@@ -38,13 +38,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_longctx.memory.accounting import rss_bytes
+from megatron_longctx.plan.model import ModelShape
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTShape:
     """The GPT being trained (Megatron ``TransformerConfig`` fields + sequence and vocabulary).
 
-    (:class:`megatron_longctx.plan.model.ModelShape` is the planner's analytic model; this one is built.)
+    The model's fields come from a :class:`~megatron_longctx.plan.model.ModelShape`, the planner's shape type
+    (:func:`gpt_fields`); the sequence length, dropout and ``bf16`` are the run's.
     """
 
     num_layers: int = 2
@@ -73,6 +75,30 @@ class GPTShape:
                              f"--num-query-groups ({self.num_query_groups})")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
+
+
+def gpt_fields(model: ModelShape) -> dict[str, Any]:
+    """:class:`GPTShape`'s fields that ``model`` sets (all but ``seq_length``, ``dropout`` and ``bf16``).
+
+    The Trainer builds a dense GPT with RoPE, an untied output layer and Megatron's default head dimension
+    (hidden / heads); a ``ValueError`` names what else ``model`` asks for.
+    """
+    if model.num_experts is not None or model.multi_latent_attention:
+        raise ValueError(f"{model.name}: the benchmark's GPT is dense with standard attention; drop --num-experts "
+                         "and --multi-latent-attention")
+    if not (model.rope and model.rotary_base == 10000 and model.untie_embeddings):
+        raise ValueError(f"{model.name}: the benchmark's GPT has RoPE of base 10000 and an untied output layer; set "
+                         "rope=True, rotary_base=10000 and untie_embeddings=True")
+    if model.hidden_size % model.num_attention_heads == 0 and \
+            model.kv_channels != model.hidden_size // model.num_attention_heads:  # else GPTShape names --hidden-size
+        raise ValueError(f"{model.name}: --kv-channels {model.kv_channels}: the benchmark's GPT uses Megatron's "
+                         f"default head dimension, --hidden-size / --num-attention-heads = "
+                         f"{model.hidden_size // model.num_attention_heads}")
+    return dict(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+                ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
+                swiglu=model.activation == "swiglu", normalization=model.normalization,
+                add_bias_linear=model.add_bias_linear)
 
 
 @dataclasses.dataclass(frozen=True)

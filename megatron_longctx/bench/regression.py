@@ -17,6 +17,7 @@ CPU timings are noisy: times are medians and compared as ratios to the baseline 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -30,31 +31,44 @@ from megatron_longctx.bench import compare as compare_mod
 from megatron_longctx.bench import harness, report
 from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, all_configs, baseline_configs, default_configs,
                                             select, streams_model_states, sweep_skip_reason, unavailable_reason)
+from megatron_longctx.bench.engine import gpt_fields
 from megatron_longctx.bench.headline import headline_line, max_seq_headline, model_states_headline, model_states_line
 from megatron_longctx.bench.maxseq import drive, search_max_seq
+from megatron_longctx.data import ByteTokenizer, padded_vocab_size
 from megatron_longctx.memory.accounting import RSS_TRACKS_TENSORS_ENV
+from megatron_longctx.plan.model import ModelShape, param_counts
 
 ENFORCEMENT_CPU = "enforced: a probe dies when a rank's resident memory grows past the budget"
 ENFORCEMENT_GPU = "enforced: torch.cuda.set_per_process_memory_fraction; OOM = failure"
 BUDGET_MARKER = "[memory budget]"
 
-# Model shapes.  llama-h256: Llama proportions at small width (ffn = 3.5·h, vocabulary = 32·h as Llama-3's
-# 128K at h = 4096).  The tokens are the project's ByteTokenizer (UTF-8 bytes of the Python standard
-# library's sources, offline; ids < 258), the output layer has the preset's 8,192 rows, as Megatron's
-# NullTokenizer with --vocab-size 8192 would give over the same bytes.
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-h256": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
-                   "ffn_hidden_size": 896, "vocab_size": 8192, "swiglu": True, "normalization": "RMSNorm",
-                   "add_bias_linear": False, "budget_mib": 160.0},
-    "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-             "ffn_hidden_size": 256, "vocab_size": None, "swiglu": False, "normalization": "LayerNorm",
-             "add_bias_linear": True, "budget_mib": 64.0},
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A benchmark model (``--preset``) and the per-rank budget of its max-sequence search on the CPU."""
+
+    model: ModelShape  # the planner's shape type; vocab_size is raised to the tokenizer's (bench_model)
+    budget_mib: float  # float32; --bf16 adds 2 bytes per parameter (_default_budget_mib)
+
+
+# The tokenizer's vocabulary: the project's ByteTokenizer (UTF-8 bytes of the Python standard library's
+# sources, offline; ids < 258) padded to a multiple of 64.  Every model's output layer has at least these rows.
+TOKENIZER_VOCAB = padded_vocab_size(ByteTokenizer())
+
+# llama-h256: Llama proportions at hidden 256 (ffn = 3.5·h, vocabulary = 32·h as Llama-3's 128K at h = 4096),
+# the headline's model; its output layer has 8,192 rows, as Megatron's NullTokenizer with --vocab-size 8192
+# would give over the same bytes.  tiny: the tokenizer's own vocabulary.
+_LLAMA_H256 = ModelShape(name="llama-h256", num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                         kv_channels=32, ffn_hidden_size=896, vocab_size=8192)
+PRESETS: dict[str, Preset] = {p.model.name: p for p in (
+    Preset(_LLAMA_H256, budget_mib=160.0),
+    Preset(ModelShape(name="tiny", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                      kv_channels=16, ffn_hidden_size=256, vocab_size=TOKENIZER_VOCAB, activation="gelu",
+                      normalization="LayerNorm", add_bias_linear=True), budget_mib=64.0),
     # llama-h256 at 8 layers: 11.0M parameters, 168 MiB of float32 weights, main gradients and Adam moments per
     # rank, 84% of its budget; the model-state rows' headline is measured on it
-    "llama-states": {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
-                     "ffn_hidden_size": 896, "vocab_size": 8192, "swiglu": True, "normalization": "RMSNorm",
-                     "add_bias_linear": False, "budget_mib": 200.0},
-}
+    Preset(dataclasses.replace(_LLAMA_H256, name="llama-states", num_layers=8), budget_mib=200.0),
+)}
 MAX_SEQ_DEFAULT = [c.name for c in baseline_configs(2)] + ["ring+all", "allgather+all"]
 
 
@@ -236,7 +250,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
     if not args.skip_max_seq:
         wanted = [n.strip() for n in args.max_seq_configs.split(",") if n.strip()]
         searched = [n for n in wanted if n in runnable]
-        budget = int((args.budget_mib or _default_budget_mib(args.preset, shape)) * 2**20)
+        budget_mib = args.budget_mib or _default_budget_mib(args.preset, bench_model(args), shape["bf16"])
+        budget = int(budget_mib * 2**20)
         log(f"max trainable sequence under {budget / 2**20:.0f} MiB/rank: {', '.join(searched)}")
         result["max_seq"] = _max_seq(args, base_task, searched, budget, log)
         streamed = {c.name for c in configs if streams_model_states(c)}
@@ -292,42 +307,33 @@ def time_check(args: argparse.Namespace, base_task: dict[str, Any], plugin: str,
     return out
 
 
+def bench_model(args: argparse.Namespace) -> ModelShape:
+    """The preset's model with the command line's overrides (``--hidden-size`` ...; the head dimension follows
+    hidden / heads) and an output layer of at least the tokenizer's vocabulary."""
+    model = PRESETS[args.preset].model
+    overrides = {key: getattr(args, key) for key in ("num_layers", "hidden_size", "num_attention_heads",
+                                                       "num_query_groups", "ffn_hidden_size", "vocab_size")
+                 if getattr(args, key, None) is not None}
+    model = dataclasses.replace(model, **overrides)
+    return dataclasses.replace(model, kv_channels=max(1, model.hidden_size // model.num_attention_heads),
+                               vocab_size=max(model.vocab_size, TOKENIZER_VOCAB))
+
+
 def model_shape(args: argparse.Namespace) -> dict[str, Any]:
-    """The preset's shape with the command line's overrides (``--hidden-size`` ...)."""
-    from megatron_longctx.data import ByteTokenizer, padded_vocab_size
-
-    shape = {k: v for k, v in PRESETS[args.preset].items() if k != "budget_mib"}
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size"):
-        if getattr(args, key, None) is not None:
-            shape[key] = getattr(args, key)
-    shape["vocab_size"] = max(shape["vocab_size"] or 0, padded_vocab_size(ByteTokenizer()))
-    shape["dropout"] = 0.0
-    shape["bf16"] = bool(getattr(args, "bf16", False))
-    return shape
+    """What a probe task carries as its ``shape`` (and ``bench.json`` as ``meta.shape``): the GPT of
+    :func:`bench_model` with the run's dropout and ``--bf16``, without the length each point sets."""
+    return {**gpt_fields(bench_model(args)), "dropout": 0.0, "bf16": bool(getattr(args, "bf16", False))}
 
 
-def parameter_count(shape: dict[str, Any]) -> int:
-    """Parameters of the benchmark GPT: embedding and untied output layer, per layer Q/K/V, projection, MLP
-    (SwiGLU's fc1 holds gate and up), two norms (and the linear biases when on), and the final norm."""
-    h, f, v = shape["hidden_size"], shape["ffn_hidden_size"], shape["vocab_size"]
-    kv = h // shape["num_attention_heads"] * shape["num_query_groups"]
-    fc1 = 2 * f if shape["swiglu"] else f
-    norm = h if shape["normalization"] == "RMSNorm" else 2 * h
-    biases = (h + 2 * kv) + h + fc1 + h if shape["add_bias_linear"] else 0
-    layer = h * (h + 2 * kv) + h * h + h * fc1 + f * h + 2 * norm + biases
-    return 2 * v * h + shape["num_layers"] * layer + norm
-
-
-def _default_budget_mib(preset: str, shape: dict[str, Any]) -> float:
+def _default_budget_mib(preset: str, model: ModelShape, bf16: bool) -> float:
     """The preset's per-rank budget; under bf16 the same room for activations as in float32: + 2 bytes per
     parameter (the bf16 weights beside the fp32 master copy; main grads and Adam are fp32 in both)."""
     import torch
 
     if torch.cuda.is_available():
         return 0.8 * torch.cuda.get_device_properties(0).total_memory / 2**20
-    extra = 2 * parameter_count(shape) / 2**20 if shape.get("bf16") else 0.0
-    return PRESETS[preset]["budget_mib"] + extra
+    extra = 2 * param_counts(model).total / 2**20 if bf16 else 0.0
+    return PRESETS[preset].budget_mib + extra
 
 
 # Numeric flags and their lowest allowed value (inclusive); the resolution is a fraction below 1.

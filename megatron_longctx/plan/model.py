@@ -65,6 +65,7 @@ class ModelShape:
     rope: bool = True  # --position-embedding-type rope
     rotary_base: int = 10000
     untie_embeddings: bool = True  # --untie-embeddings-and-output-weights
+    add_bias_linear: bool = False  # biases on the linear layers (Megatron's default); False: --disable-bias-linear
     # Mixture of experts (--num-experts ...); None = dense.
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
@@ -91,6 +92,9 @@ class ModelShape:
             raise ValueError(f"activation {self.activation!r}: choose one of {ACTIVATIONS}")
         if self.num_experts is not None and (self.moe_ffn_hidden_size <= 0 or self.moe_router_topk <= 0):
             raise ValueError("--num-experts needs --moe-ffn-hidden-size > 0 and --moe-router-topk > 0")
+        if self.add_bias_linear and (self.num_experts is not None or self.multi_latent_attention):
+            raise ValueError(f"{self.name}: linear biases are modelled for dense attention and MLPs only; "
+                             "give an MoE or MLA model --disable-bias-linear (add_bias_linear=False)")
 
     # Head geometry: what attention sees per token.
     @property
@@ -135,7 +139,7 @@ class ParamCounts:
 
 
 def param_counts(m: ModelShape) -> ParamCounts:
-    """Parameter counts as Megatron builds the model (no biases: ``--disable-bias-linear``)."""
+    """Parameter counts as Megatron builds the model (linear biases only with ``add_bias_linear``)."""
     h = m.hidden_size
     if m.multi_latent_attention:
         hq = m.num_attention_heads
@@ -145,6 +149,9 @@ def param_counts(m: ModelShape) -> ParamCounts:
     else:
         attention = h * m.kv_channels * (2 * m.num_attention_heads + 2 * m.num_query_groups)
     dense_mlp = (m.glu + 1) * h * m.ffn_hidden_size
+    if m.add_bias_linear:  # QKV and projection outputs; FC1 (gate and up under SwiGLU) and FC2 outputs
+        attention += (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels + h
+        dense_mlp += m.glu * m.ffn_hidden_size + h
     norm = h if m.normalization == "RMSNorm" else 2 * h
     norms = 2 * norm
     if m.num_experts is not None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_longctx.bench import regression, report
+from megatron_longctx.plan.model import param_counts
 from tests.bench.test_bench_end_to_end import TINY
 from tests.dist import run_ranks
 
@@ -74,16 +75,18 @@ def _parameters(shapes):
 
 
 def test_parameter_count_and_the_bf16_budget():
-    shapes = []
-    for preset in ("llama-h256", "tiny"):
+    shapes, models = [], []
+    for preset in ("llama-h256", "tiny"):  # SwiGLU, RMSNorm, no biases; GELU, LayerNorm, biases
         args = regression.build_parser().parse_args(["--preset", preset, "--bf16"])
         shapes.append(regression.model_shape(args))
+        models.append(regression.bench_model(args))
     assert all(s["bf16"] for s in shapes)
+    assert shapes[1]["vocab_size"] == regression.TOKENIZER_VOCAB == 320  # tiny: the tokenizer's own vocabulary
     counts = run_ranks(2, _parameters, [{k: v for k, v in s.items() if k != "bf16"} for s in shapes])[0]
-    assert [regression.parameter_count(s) for s in shapes] == counts
-    llama = shapes[0]
-    assert regression._default_budget_mib("llama-h256", dict(llama, bf16=False)) == 160.0
-    assert regression._default_budget_mib("llama-h256", llama) == 160.0 + 2 * counts[0] / 2**20
+    assert [param_counts(m).total for m in models] == counts  # the planner counts what Megatron builds
+    llama = models[0]
+    assert regression._default_budget_mib("llama-h256", llama, bf16=False) == 160.0
+    assert regression._default_budget_mib("llama-h256", llama, bf16=True) == 160.0 + 2 * counts[0] / 2**20
 
 
 def test_bench_end_to_end_in_bf16(tmp_path):

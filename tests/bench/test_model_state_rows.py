@@ -11,17 +11,20 @@ optimizer is Megatron's with the off-device AdamW inside, and its losses and gra
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_longctx.bench import regression
 from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, all_configs, default_configs, model_state_configs,
                                             select, streams_model_states, unavailable_reason)
+from megatron_longctx.bench.engine import gpt_fields
 from megatron_longctx.bench.headline import MODEL_STATES_TARGET, model_states_headline, model_states_line
+from megatron_longctx.plan.model import param_counts
 
-SHAPE = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 2,
-         "ffn_hidden_size": 896, "vocab_size": 320, "swiglu": True, "normalization": "RMSNorm",
-         "add_bias_linear": False, "dropout": 0.0, "bf16": False}
+MODEL = dataclasses.replace(regression.PRESETS["llama-h256"].model, vocab_size=regression.TOKENIZER_VOCAB)
+SHAPE = {**gpt_fields(MODEL), "dropout": 0.0, "bf16": False}
 DISK, WITHOUT = "ring+offload+states-disk", "ring+offload"
 
 
@@ -33,7 +36,7 @@ def test_the_budget_counts_the_model_states_and_disk_takes_them_out(tmp_path):
     assert rc == 0, output[-3000:]
     by = {r["config"]: r for r in records}
     assert all(r["status"] == "ok" for r in records) and set(by) == {FLASH_RECOMPUTE, WITHOUT, DISK}, records
-    states = 16 * regression.parameter_count(SHAPE)  # float32 weight, main gradient, two Adam moments
+    states = 16 * param_counts(MODEL).total  # float32 weight, main gradient, two Adam moments
     base, disk = by[FLASH_RECOMPUTE]["peak_mem_bytes"], by[DISK]["peak_mem_bytes"]
     assert base >= states, f"the baseline's peak {base} does not hold its {states} bytes of model states"
     assert by[WITHOUT]["peak_mem_bytes"] >= states
@@ -72,9 +75,8 @@ def test_the_rows_and_where_they_run():
 
 def test_the_states_preset_fills_most_of_its_budget():
     args = regression.build_parser().parse_args(["--preset", "llama-states"])
-    shape = regression.model_shape(args)
-    states_mib = 16 * regression.parameter_count(shape) / 2**20
-    assert 0.8 < states_mib / regression.PRESETS["llama-states"]["budget_mib"] < 0.9, states_mib
+    states_mib = 16 * param_counts(regression.bench_model(args)).total / 2**20
+    assert 0.8 < states_mib / regression.PRESETS["llama-states"].budget_mib < 0.9, states_mib
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="host model-state offload is refused on CPU-only machines")

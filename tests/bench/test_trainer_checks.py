@@ -1,9 +1,11 @@
 """The benchmark's in-process Trainer (bench/engine.py) refuses bad shapes and layouts naming the flag."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from megatron_longctx.bench.engine import GPTShape
+from megatron_longctx.bench.engine import GPTShape, gpt_fields
 from tests.dist import run_ranks
 
 
@@ -15,6 +17,20 @@ from tests.dist import run_ranks
 def test_bad_model_shape_names_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         GPTShape(**kwargs)
+
+
+def test_a_model_the_benchmark_gpt_does_not_build_is_refused_by_name():
+    from megatron_longctx.plan import presets
+
+    with pytest.raises(ValueError, match="mixtral-8x7b: .*--num-experts"):
+        gpt_fields(presets.model("mixtral-8x7b"))
+    llama = presets.model("llama3-8b")
+    with pytest.raises(ValueError, match="rotary_base=10000"):  # Llama-3's RoPE base is 500,000
+        gpt_fields(llama)
+    llama = dataclasses.replace(llama, rotary_base=10000)  # 4096 / 32 heads = 128, its head dimension
+    assert gpt_fields(llama)["swiglu"] and not gpt_fields(llama)["add_bias_linear"]
+    with pytest.raises(ValueError, match="--kv-channels 64: .* = 128"):
+        gpt_fields(dataclasses.replace(llama, kv_channels=64))
 
 
 def _bad_layout(argv):

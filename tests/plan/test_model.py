@@ -30,6 +30,19 @@ def test_presets_load_with_published_parameter_counts(name, total_b, active_b):
     assert counts.active / 1e9 == pytest.approx(active_b, rel=0.01)
 
 
+def test_linear_biases_are_counted_per_output_and_refused_where_not_modelled():
+    # Megatron's biases: QKV (q + 2 kv heads of kv_channels), projection (h), FC1 (GELU: ffn), FC2 (h) per layer.
+    plain = dataclasses.replace(GPT3, num_layers=2)
+    biased = dataclasses.replace(plain, add_bias_linear=True)
+    per_layer = (32 + 2 * 32) * 128 + 4096 + 4 * 4096 + 4096
+    assert param_counts(biased).total - param_counts(plain).total == 2 * per_layer
+    swiglu = dataclasses.replace(biased, activation="swiglu")  # FC1 holds the gate and the up projection
+    assert param_counts(swiglu).dense_mlp - param_counts(dataclasses.replace(swiglu, add_bias_linear=False)).dense_mlp \
+        == 2 * 4 * 4096 + 4096
+    with pytest.raises(ValueError, match="--disable-bias-linear"):
+        dataclasses.replace(presets.model("mixtral-8x7b"), add_bias_linear=True)
+
+
 def test_preset_errors_name_the_flag():
     with pytest.raises(ValueError, match="--model"):
         presets.model("gpt-5")
