@@ -1,5 +1,5 @@
 """What every benchmark shares: the environment record written beside its figures, the timing median, the
-JSON writer and the text table (torch is imported on use, so the benchmarks that only start processes stay
+JSON writer, the text table and the plots' figure handling (torch is imported on use, so the benchmarks that only start processes stay
 without it)."""
 
 from __future__ import annotations
@@ -87,4 +87,38 @@ def table(columns: list[Column], rows: list[dict[str, Any]]) -> str:
     return "\n".join([line([header for header, _, _ in columns])] + [line(c) for c in cells])
 
 
-__all__ = ["Column", "environment", "loadavg", "median_seconds", "table", "write_json"]
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend; None when matplotlib is not installed
+    (``pip install 'megatron-longctx[bench]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Lay ``fig`` out, write it to ``path`` and free it; ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def log_log_axes(ax: Any, ylabel: str, legend_size: int) -> None:
+    """A matplotlib axis of ``ylabel`` against the sequence length, both on log scales, with a legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+__all__ = ["Column", "environment", "loadavg", "log_log_axes", "median_seconds", "pyplot", "save_figure", "table",
+           "write_json"]

@@ -146,24 +146,10 @@ def _order(result: dict[str, Any], name: str) -> int:
     return names.index(name) if name in names else len(names)
 
 
-def log_log_axes(ax: Any, ylabel: str, legend_size: int) -> None:
-    """A matplotlib axis of ``ylabel`` against the sequence length, both on log scales, with a legend."""
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=legend_size)
-
-
 def plots(result: dict[str, Any], out_dir: str) -> list[str]:
     """memory_vs_seq.png and tokens_per_s_vs_seq.png (log-log); [] when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = harness.pyplot()
+    if plt is None:
         return []
     written = []
     for key, ylabel, fname, scale in (("peak_mem_bytes", "peak memory per rank (MiB)", "memory_vs_seq.png", 2**20),
@@ -174,11 +160,7 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
                          if p["config"] == c["name"] and p.get("status") == "ok")
             if pts:
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=c["name"])
-        log_log_axes(ax, ylabel, legend_size=8)
+        harness.log_log_axes(ax, ylabel, legend_size=8)
         ax.set_title(f"{ylabel} vs sequence length ({result['meta']['device']})", fontsize=9)
-        path = os.path.join(out_dir, fname)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(harness.save_figure(fig, os.path.join(out_dir, fname)))
     return written

@@ -10,13 +10,12 @@ and ``planner_mib`` (the planner's prediction for the same configuration).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import textwrap
 from typing import Any, Optional, Sequence
 
-from megatron_longctx.bench.report import log_log_axes
+from megatron_longctx.bench import harness
 
 SCHEMA = "megatron-longctx-scaling/1"
 MIB = 2**20
@@ -59,12 +58,6 @@ def fits(rows: Sequence[dict[str, Any]], series_names: Sequence[str]) -> dict[st
         entry["longest_measured"] = seqs[-1] if seqs else None
         out[name] = entry
     return out
-
-
-def write_json(result: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2, sort_keys=False)
-        f.write("\n")
 
 
 def _num(value: Optional[float], fmt: str) -> str:
@@ -121,12 +114,8 @@ def markdown(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: str) -> Optional[str]:
     """``path``: s/step and peak MiB per rank against tokens, log-log, one line per series (the planner's
     memory dashed); ``None`` when matplotlib is not installed (``pip install 'megatron-longctx[bench]'``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = harness.pyplot()
+    if plt is None:
         return None
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
     labels = {r["series"]: r["label"] for r in result["rows"]}
@@ -142,19 +131,16 @@ def plot(result: dict[str, Any], path: str) -> Optional[str]:
             ax_m.plot(*zip(*planned), linestyle="--", marker="x", color=line.get_color(), alpha=0.7,
                       label=f"{labels[name]} (planner)")
     for ax, ylabel in ((ax_t, "s / step"), (ax_m, "peak MiB / rank")):
-        log_log_axes(ax, ylabel, legend_size=7)
+        harness.log_log_axes(ax, ylabel, legend_size=7)
     fig.suptitle(textwrap.fill(result["meta"]["model_text"], 150), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return harness.save_figure(fig, path)
 
 
 def write_all(result: dict[str, Any], out_dir: str, plots: bool = True) -> list[str]:
     """``scaling.json``, ``scaling.md`` and (``plots``) ``scaling.png`` under ``out_dir``; the paths written."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "scaling.json"), os.path.join(out_dir, "scaling.md")]
-    write_json(result, paths[0])
+    harness.write_json(paths[0], result)
     with open(paths[1], "w") as f:
         f.write(markdown(result))
     png = plot(result, os.path.join(out_dir, "scaling.png")) if plots else None
