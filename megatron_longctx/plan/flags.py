@@ -91,7 +91,8 @@ def model_flags(m: ModelShape) -> list[str]:
     """Megatron-LM flags of the model shape."""
     argv = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--ffn-hidden-size", m.ffn_hidden_size,
             "--num-attention-heads", m.num_attention_heads, "--normalization", m.normalization,
-            "--disable-bias-linear", "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+            *(() if m.add_bias_linear else ("--disable-bias-linear",)), "--attention-dropout", "0.0",
+            "--hidden-dropout", "0.0"]
     if m.multi_latent_attention:
         argv += ["--multi-latent-attention", "--kv-lora-rank", m.kv_lora_rank, "--qk-head-dim", m.qk_head_dim,
                  "--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim, "--v-head-dim", m.v_head_dim]

@@ -41,6 +41,9 @@ def test_linear_biases_are_counted_per_output_and_refused_where_not_modelled():
         == 2 * 4 * 4096 + 4096
     with pytest.raises(ValueError, match="--disable-bias-linear"):
         dataclasses.replace(presets.model("mixtral-8x7b"), add_bias_linear=True)
+    from megatron_longctx.plan.flags import model_flags
+
+    assert "--disable-bias-linear" in model_flags(plain) and "--disable-bias-linear" not in model_flags(biased)
 
 
 def test_preset_errors_name_the_flag():
