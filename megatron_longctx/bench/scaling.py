@@ -61,7 +61,7 @@ RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform",
 MODELS = {
     "llama-h128": ModelShape(name="llama-h128", num_layers=2, hidden_size=128, num_attention_heads=4,
                              num_query_groups=2, kv_channels=32, ffn_hidden_size=352, vocab_size=8192),
-    "tiny": ModelShape(name="tiny", num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
+    "tiny-h32": ModelShape(name="tiny-h32", num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
                        kv_channels=16, ffn_hidden_size=64, vocab_size=256),  # tests: seconds per run
 }
 

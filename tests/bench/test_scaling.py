@@ -206,7 +206,7 @@ def test_tiny_end_to_end_through_pretrain_gpt(tmp_path):
     require_scripts()
     require_training()
     out = tmp_path / "scaling"
-    assert scaling.main(["--model", "tiny", "--window", "256,0", "--series", "windowed,megatron-causal",
+    assert scaling.main(["--model", "tiny-h32", "--window", "256,0", "--series", "windowed,megatron-causal",
                          "--lengths", "1024,2048", "--causal-lengths", "1024", "--calibration-length", "0",
                          "--budget-s", "120", "--output-dir", str(out)]) == 0
     result = json.load(open(out / "scaling.json"))
