@@ -43,62 +43,49 @@ from megatron_longctx.plan.model import ModelShape
 
 @dataclasses.dataclass(frozen=True)
 class GPTShape:
-    """The GPT being trained (Megatron ``TransformerConfig`` fields + sequence and vocabulary).
+    """The GPT being trained: a :class:`~megatron_longctx.plan.model.ModelShape` (the planner's shape type) and
+    the run's sequence length, dropout and precision.
 
-    The model's fields come from a :class:`~megatron_longctx.plan.model.ModelShape`, the planner's shape type
-    (:func:`gpt_fields`); the sequence length, dropout and ``bf16`` are the run's.
+    The Trainer builds a dense GPT with RoPE of base 10000, an untied output layer and Megatron's default head
+    dimension (hidden / heads); a ``ValueError`` names what else ``model`` asks for.
     """
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 256
-    seq_length: int = 8192
-    vocab_size: int = 320
-    dropout: float = 0.0
-    swiglu: bool = False  # gated SiLU MLP (Llama): fc1 is [2·ffn, h]
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    add_bias_linear: bool = True  # Llama has no linear biases
+    model: ModelShape  # layers, widths, heads, vocabulary, activation (swiglu: fc1 is [2·ffn, h]), norm, biases
+    seq_length: int = 8192  # --seq-length
+    dropout: float = 0.0  # --hidden-dropout and --attention-dropout
     bf16: bool = False  # Megatron's --bf16: bf16 weights and activations; fp32 main grads, master weights, Adam
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                     "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--hidden-size ({self.hidden_size}) must be a multiple of --num-attention-heads "
-                             f"({self.num_attention_heads})")
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be a multiple of "
-                             f"--num-query-groups ({self.num_query_groups})")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"--normalization {self.normalization!r}: choose LayerNorm or RMSNorm")
+        m = self.model
+        if self.seq_length < 1:
+            raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
+        if m.hidden_size % m.num_attention_heads:
+            raise ValueError(f"--hidden-size ({m.hidden_size}) must be a multiple of --num-attention-heads "
+                             f"({m.num_attention_heads})")
+        if m.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"--normalization {m.normalization!r}: choose LayerNorm or RMSNorm")
+        if m.num_experts is not None or m.multi_latent_attention:
+            raise ValueError(f"{m.name}: the benchmark's GPT is dense with standard attention; drop --num-experts "
+                             "and --multi-latent-attention")
+        if not (m.rope and m.rotary_base == 10000 and m.untie_embeddings):
+            raise ValueError(f"{m.name}: the benchmark's GPT has RoPE of base 10000 and an untied output layer; set "
+                             "rope=True, rotary_base=10000 and untie_embeddings=True")
+        if m.kv_channels != m.hidden_size // m.num_attention_heads:
+            raise ValueError(f"{m.name}: --kv-channels {m.kv_channels}: the benchmark's GPT uses Megatron's "
+                             f"default head dimension, --hidden-size / --num-attention-heads = "
+                             f"{m.hidden_size // m.num_attention_heads}")
 
+    def to_dict(self) -> dict[str, Any]:
+        """What a probe task carries as its ``shape`` (and ``bench.json`` as ``meta.shape``), JSON-ready: the
+        model's fields and the run's ``dropout`` and ``bf16``, without the length that each point sets."""
+        return {**dataclasses.asdict(self.model), "dropout": self.dropout, "bf16": self.bf16}
 
-def gpt_fields(model: ModelShape) -> dict[str, Any]:
-    """:class:`GPTShape`'s fields that ``model`` sets (all but ``seq_length``, ``dropout`` and ``bf16``).
-
-    The Trainer builds a dense GPT with RoPE, an untied output layer and Megatron's default head dimension
-    (hidden / heads); a ``ValueError`` names what else ``model`` asks for.
-    """
-    if model.num_experts is not None or model.multi_latent_attention:
-        raise ValueError(f"{model.name}: the benchmark's GPT is dense with standard attention; drop --num-experts "
-                         "and --multi-latent-attention")
-    if not (model.rope and model.rotary_base == 10000 and model.untie_embeddings):
-        raise ValueError(f"{model.name}: the benchmark's GPT has RoPE of base 10000 and an untied output layer; set "
-                         "rope=True, rotary_base=10000 and untie_embeddings=True")
-    if model.hidden_size % model.num_attention_heads == 0 and \
-            model.kv_channels != model.hidden_size // model.num_attention_heads:  # else GPTShape names --hidden-size
-        raise ValueError(f"{model.name}: --kv-channels {model.kv_channels}: the benchmark's GPT uses Megatron's "
-                         f"default head dimension, --hidden-size / --num-attention-heads = "
-                         f"{model.hidden_size // model.num_attention_heads}")
-    return dict(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-                ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
-                swiglu=model.activation == "swiglu", normalization=model.normalization,
-                add_bias_linear=model.add_bias_linear)
+    @classmethod
+    def from_dict(cls, record: dict[str, Any], seq_length: int) -> "GPTShape":
+        """The shape :meth:`to_dict` wrote, trained at ``seq_length`` tokens."""
+        run = {key: record[key] for key in ("dropout", "bf16") if key in record}
+        model = ModelShape(**{key: value for key, value in record.items() if key not in run})
+        return cls(model, seq_length, **run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,18 +294,18 @@ class Trainer:
     def _transformer_config(self) -> Any:
         from megatron.core.transformer import TransformerConfig
 
-        s, v = self.shape, self.variant
+        s, m, v = self.shape, self.shape.model, self.variant
         extra: dict[str, Any] = {}
         if v.megatron_recompute:
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if v.context_parallel_size > 1:
             extra["cp_comm_type"] = v.cp_comm_type
-        if s.swiglu:  # Llama's MLP: silu(x W_gate) * (x W_up), one fused fc1 of 2·ffn rows
+        if m.activation == "swiglu":  # Llama's MLP: silu(x W_gate) * (x W_up), one fused fc1 of 2·ffn rows
             extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
         return TransformerConfig(
-            normalization=s.normalization, add_bias_linear=s.add_bias_linear,
-            num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
-            num_query_groups=s.num_query_groups, ffn_hidden_size=s.ffn_hidden_size,
+            normalization=m.normalization, add_bias_linear=m.add_bias_linear,
+            num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
             hidden_dropout=s.dropout, attention_dropout=s.dropout, context_parallel_size=v.context_parallel_size,
             use_cpu_initialization=True, params_dtype=torch.bfloat16 if s.bf16 else torch.float32, bf16=s.bf16,
             **extra,
@@ -327,7 +314,7 @@ class Trainer:
     def layer_spec(self) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        spec = get_gpt_layer_local_spec(normalization=self.shape.normalization)
+        spec = get_gpt_layer_local_spec(normalization=self.shape.model.normalization)
         if self.variant.plugin:
             from megatron_longctx.config import LongContextConfig
             from megatron_longctx.megatron.plugin import LongContextPlugin
@@ -343,7 +330,7 @@ class Trainer:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = GPTModel(self.config, self.layer_spec(), vocab_size=self.shape.vocab_size,
+            model = GPTModel(self.config, self.layer_spec(), vocab_size=self.shape.model.vocab_size,
                              max_sequence_length=self.shape.seq_length, position_embedding_type="rope")
         return model.to(device())
 

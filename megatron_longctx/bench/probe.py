@@ -45,10 +45,11 @@ WARMUP_TOKENS_PER_RANK = 512
 
 def model_flops_per_step(shape: GPTShape, tokens: int) -> float:
     """Model FLOPs of one training step (forward + backward, causal attention, no recompute counted)."""
-    h, f, layers, s = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers, shape.seq_length
-    kv = h // shape.num_attention_heads * shape.num_query_groups
-    fc1 = 2 * f if shape.swiglu else f  # SwiGLU's fc1 holds the gate and the up projection
-    dense = layers * (h * (h + 2 * kv) + h * h + h * fc1 + f * h) + h * shape.vocab_size  # weights used per token
+    m = shape.model
+    h, f, layers, s = m.hidden_size, m.ffn_hidden_size, m.num_layers, shape.seq_length
+    kv = m.kv_channels * m.num_query_groups
+    fc1 = m.glu * f  # SwiGLU's fc1 holds the gate and the up projection
+    dense = layers * (h * (h + 2 * kv) + h * h + h * fc1 + f * h) + h * m.vocab_size  # weights used per token
     attention = layers * s * h  # causal QK^T and PV: 2·s·h multiply-adds per token, halved by the mask
     return 6.0 * tokens * (dense + attention)
 
@@ -62,7 +63,7 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
     """Train one point; the record the benchmark reports for it."""
     configs = {c.name: c for c in all_configs(task["cp"])}
     variant = tiles_for(configs[config_name].variant, seq_length // configs[config_name].variant.context_parallel_size)
-    shape = GPTShape(**{**task["shape"], "seq_length": seq_length})
+    shape = GPTShape.from_dict(task["shape"], seq_length)
     gbs = task["global_batch_size"] or dist.get_world_size() // variant.context_parallel_size
     steps = task["warmup"] + task["steps"]
     tokenizer = data_mod.ByteTokenizer()

@@ -31,7 +31,7 @@ from megatron_longctx.bench import compare as compare_mod
 from megatron_longctx.bench import harness, report
 from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, REFERENCE, all_configs, baseline_configs, default_configs,
                                             select, streams_model_states, sweep_skip_reason, unavailable_reason)
-from megatron_longctx.bench.engine import gpt_fields
+from megatron_longctx.bench.engine import GPTShape
 from megatron_longctx.bench.headline import headline_line, max_seq_headline, model_states_headline, model_states_line
 from megatron_longctx.bench.maxseq import drive, search_max_seq
 from megatron_longctx.data import ByteTokenizer, padded_vocab_size
@@ -321,8 +321,9 @@ def bench_model(args: argparse.Namespace) -> ModelShape:
 
 def model_shape(args: argparse.Namespace) -> dict[str, Any]:
     """What a probe task carries as its ``shape`` (and ``bench.json`` as ``meta.shape``): the GPT of
-    :func:`bench_model` with the run's dropout and ``--bf16``, without the length each point sets."""
-    return {**gpt_fields(bench_model(args)), "dropout": 0.0, "bf16": bool(getattr(args, "bf16", False))}
+    :func:`bench_model` with the run's dropout and ``--bf16``, without the length each point sets
+    (:meth:`GPTShape.to_dict`); a ``ValueError`` names what the benchmark's GPT does not build."""
+    return GPTShape(bench_model(args), bf16=bool(getattr(args, "bf16", False))).to_dict()
 
 
 def _default_budget_mib(preset: str, model: ModelShape, bf16: bool) -> float:

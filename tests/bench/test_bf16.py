@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from megatron_longctx.bench import regression, report
-from megatron_longctx.plan.model import param_counts
+from megatron_longctx.plan.model import ModelShape, param_counts
 from tests.bench.test_bench_end_to_end import TINY
 from tests.dist import run_ranks
 
-SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=224,
-             vocab_size=512, swiglu=True, normalization="RMSNorm", add_bias_linear=False, dropout=0.0)
+SMALL = ModelShape(name="small", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                   kv_channels=16, ffn_hidden_size=224, vocab_size=512, activation="swiglu", normalization="RMSNorm",
+                   add_bias_linear=False)
 
 
 def _batches(seq, n, vocab):
@@ -27,7 +28,7 @@ def _train(bf16: bool, plugin: bool):
     from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.bench.engine import GPTShape, OptimConfig, Trainer, Variant
 
-    shape = GPTShape(**SMALL, seq_length=64, bf16=bf16)
+    shape = GPTShape(SMALL, seq_length=64, bf16=bf16)
     variant = (Variant("p", context_parallel_size=2, plugin=True,
                        longctx_options=(("cp_algorithm", "allgather"), ("recompute_granularity", "full"),
                                         ("recompute_tiles", 2), ("tiled_loss_tiles", 2)))
@@ -40,7 +41,7 @@ def _train(bf16: bool, plugin: bool):
                 return "refused", str(exc)
             raise
         dtypes = {p.dtype for p in trainer.model.parameters()}
-        results = [trainer.step(i, b) for i, b in enumerate(_batches(64, 3, SMALL["vocab_size"]))]
+        results = [trainer.step(i, b) for i, b in enumerate(_batches(64, 3, SMALL.vocab_size))]
         trainer.close()
     return dtypes, [r.loss for r in results], [r.grad_norm for r in results]
 
@@ -68,7 +69,7 @@ def _parameters(shapes):
     counts = []
     with cpu_compat.enabled():
         for shape in shapes:
-            trainer = Trainer(GPTShape(**shape, seq_length=64), Variant("b"), OptimConfig(), 2, 1)
+            trainer = Trainer(GPTShape.from_dict(shape, 64), Variant("b"), OptimConfig(), 2, 1)
             counts.append(sum(p.numel() for p in trainer.model.parameters()))
             trainer.close()
     return counts
@@ -82,7 +83,7 @@ def test_parameter_count_and_the_bf16_budget():
         models.append(regression.bench_model(args))
     assert all(s["bf16"] for s in shapes)
     assert shapes[1]["vocab_size"] == regression.TOKENIZER_VOCAB == 320  # tiny: the tokenizer's own vocabulary
-    counts = run_ranks(2, _parameters, [{k: v for k, v in s.items() if k != "bf16"} for s in shapes])[0]
+    counts = run_ranks(2, _parameters, [dict(s, bf16=False) for s in shapes])[0]
     assert [param_counts(m).total for m in models] == counts  # the planner counts what Megatron builds
     llama = models[0]
     assert regression._default_budget_mib("llama-h256", llama, bf16=False) == 160.0

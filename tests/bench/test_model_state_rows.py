@@ -19,12 +19,12 @@ import torch
 from megatron_longctx.bench import regression
 from megatron_longctx.bench.configs import (FLASH_RECOMPUTE, all_configs, default_configs, model_state_configs,
                                             select, streams_model_states, unavailable_reason)
-from megatron_longctx.bench.engine import gpt_fields
+from megatron_longctx.bench.engine import GPTShape
 from megatron_longctx.bench.headline import MODEL_STATES_TARGET, model_states_headline, model_states_line
 from megatron_longctx.plan.model import param_counts
 
 MODEL = dataclasses.replace(regression.PRESETS["llama-h256"].model, vocab_size=regression.TOKENIZER_VOCAB)
-SHAPE = {**gpt_fields(MODEL), "dropout": 0.0, "bf16": False}
+SHAPE = GPTShape(MODEL).to_dict()
 DISK, WITHOUT = "ring+offload+states-disk", "ring+offload"
 
 

@@ -1,49 +1,64 @@
 """The benchmark's in-process Trainer (bench/engine.py) refuses bad shapes and layouts naming the flag."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
-from megatron_longctx.bench.engine import GPTShape, gpt_fields
+from megatron_longctx.bench.engine import GPTShape
+from megatron_longctx.plan.model import ModelShape
 from tests.dist import run_ranks
 
+# A GELU MLP, LayerNorm and linear biases: Megatron's defaults (ModelShape's are Llama's)
+SMALL = ModelShape(name="small", num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                   kv_channels=8, ffn_hidden_size=64, vocab_size=320, activation="gelu", normalization="LayerNorm",
+                   add_bias_linear=True)
 
-@pytest.mark.parametrize("kwargs, flag", [
-    (dict(hidden_size=30, num_attention_heads=4), "--hidden-size"),
-    (dict(num_attention_heads=4, num_query_groups=3), "--num-query-groups"),
-    (dict(seq_length=0), "--seq-length"),
+
+@pytest.mark.parametrize("model, seq_length, flag", [
+    (dict(hidden_size=30, kv_channels=7), 128, "--hidden-size"),
+    (dict(num_query_groups=3), 128, "--num-query-groups"),
+    (dict(normalization="BatchNorm"), 128, "--normalization"),
+    ({}, 0, "--seq-length"),
 ])
-def test_bad_model_shape_names_the_flag(kwargs, flag):
+def test_bad_model_shape_names_the_flag(model, seq_length, flag):
     with pytest.raises(ValueError, match=flag):
-        GPTShape(**kwargs)
+        GPTShape(dataclasses.replace(SMALL, **model), seq_length)
 
 
 def test_a_model_the_benchmark_gpt_does_not_build_is_refused_by_name():
     from megatron_longctx.plan import presets
 
     with pytest.raises(ValueError, match="mixtral-8x7b: .*--num-experts"):
-        gpt_fields(presets.model("mixtral-8x7b"))
+        GPTShape(presets.model("mixtral-8x7b"))
     llama = presets.model("llama3-8b")
     with pytest.raises(ValueError, match="rotary_base=10000"):  # Llama-3's RoPE base is 500,000
-        gpt_fields(llama)
+        GPTShape(llama)
     llama = dataclasses.replace(llama, rotary_base=10000)  # 4096 / 32 heads = 128, its head dimension
-    assert gpt_fields(llama)["swiglu"] and not gpt_fields(llama)["add_bias_linear"]
+    assert GPTShape(llama).model is llama
     with pytest.raises(ValueError, match="--kv-channels 64: .* = 128"):
-        gpt_fields(dataclasses.replace(llama, kv_channels=64))
+        GPTShape(dataclasses.replace(llama, kv_channels=64))
+
+
+def test_the_shape_a_probe_task_carries_comes_back_whole():
+    shape = GPTShape(SMALL, 64, dropout=0.1, bf16=True)
+    record = json.loads(json.dumps(shape.to_dict()))
+    assert "seq_length" not in record and record["num_layers"] == 1 and record["bf16"] is True
+    assert GPTShape.from_dict(record, 64) == shape
+    assert GPTShape.from_dict(record, 128).seq_length == 128
 
 
 def _bad_layout(argv):
     from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.bench.engine import OptimConfig, Trainer, Variant
 
-    shape = GPTShape(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                       seq_length=130)
+    shape = GPTShape(SMALL, seq_length=130)
     messages = []
     with cpu_compat.enabled():
         for variant, gbs in ((Variant("p", context_parallel_size=2, plugin=True), 2), (Variant("b"), 3)):
             try:
-                Trainer(shape if variant.plugin else GPTShape(seq_length=128), variant, OptimConfig(), gbs, 1)
+                Trainer(shape if variant.plugin else GPTShape(SMALL, seq_length=128), variant, OptimConfig(), gbs, 1)
             except ValueError as exc:
                 messages.append(str(exc))
     return messages
@@ -61,8 +76,7 @@ def _steps(materialize: bool):
     from megatron_longctx.bench import engine
     from megatron_longctx.bench.engine import OptimConfig, Trainer, Variant
 
-    shape = GPTShape(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                     seq_length=32)
+    shape = GPTShape(SMALL, seq_length=32)
     g = torch.Generator().manual_seed(0)
     batches = [{"tokens": torch.randint(0, 256, (2, 32), generator=g), "labels": torch.randint(0, 256, (2, 32), generator=g),
                 "loss_mask": torch.ones(2, 32), "position_ids": torch.arange(32).expand(2, 32)} for _ in range(3)]

@@ -164,7 +164,7 @@ def _bf16_body(root: str, disk: bool) -> tuple:
     options = (("cp_algorithm", "ring"),) + (
         (("model_state_offload", "disk"), ("offload_disk_dir", root)) if disk else ())
     with cpu_compat.enabled():
-        trainer = Trainer(GPTShape(**SMALL, seq_length=SEQ, bf16=True),
+        trainer = Trainer(GPTShape(SMALL, seq_length=SEQ, bf16=True),
                           Variant("p", context_parallel_size=2, plugin=True, longctx_options=options),
                           OptimConfig(weight_decay=0.1, clip_grad=0.05), 2, 1)
         in_units = [p for unit in _units(unwrap(trainer.ddp)[0])

@@ -6,10 +6,12 @@ the unswapped run, bit for bit; Megatron's optimizer checkpoint resumes it bit f
 import pytest
 import torch
 
+from megatron_longctx.plan.model import ModelShape
 from tests.dist import run_ranks
 
-SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=224,
-             vocab_size=512, swiglu=True, normalization="RMSNorm", add_bias_linear=True, dropout=0.0)
+SMALL = ModelShape(name="small", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                   kv_channels=16, ffn_hidden_size=224, vocab_size=512, activation="swiglu", normalization="RMSNorm",
+                   add_bias_linear=True)
 SEQ, STEPS = 32, 3
 
 
@@ -28,7 +30,7 @@ def _train(bf16, target, root, resume_at=None):
     from megatron_longctx.memory.offdevice_optimizer import OffDeviceAdamW, OffDeviceSpec
 
     def build(sub):
-        trainer = Trainer(GPTShape(**SMALL, seq_length=SEQ, bf16=bf16), Variant("b"),
+        trainer = Trainer(GPTShape(SMALL, seq_length=SEQ, bf16=bf16), Variant("b"),
                           OptimConfig(weight_decay=0.1, clip_grad=0.05), 2, 1)
         installed = None
         if target is not None:
