@@ -82,12 +82,13 @@ def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The sweep as a markdown table (one row per configuration and sequence length) + max-seq lines."""
     meta, shape = result["meta"], result["meta"]["shape"]
+    swiglu = shape.get("activation") == "swiglu" or shape.get("swiglu")  # an older bench.json: a swiglu flag
     tref = meta.get("time_reference")
     ratio_key = f"time_ratio_vs_{tref}" if tref else None
     lines = [f"### megatron-longctx regression benchmark ({meta['device']}, {meta['world_size']} ranks)", "",
              f"Model ({meta.get('preset', 'custom')}): {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
              f"{shape['num_attention_heads']} heads ({shape['num_query_groups']} KV groups), ffn "
-             f"{shape['ffn_hidden_size']}{' SwiGLU' if shape.get('swiglu') else ''}, "
+             f"{shape['ffn_hidden_size']}{' SwiGLU' if swiglu else ''}, "
              f"{shape.get('normalization', 'LayerNorm')}, vocabulary {shape['vocab_size']}, "
              f"{'bf16 mixed precision' if shape.get('bf16') else 'float32'}; median of "
              f"{meta['steps']} timed steps after {meta['warmup']} warm-up; time = the slowest rank's CPU-seconds "

@@ -56,6 +56,12 @@ def test_schema_and_outputs(bench_run):
     table = (out / "bench.md").read_text()
     assert "| ring+all | 128 |" in table and "| allgather+all | 128 |" in table and "Max trainable sequence" in table
     assert "| megatron-flash+cp+recompute | 128 |" in table
+    model_line = next(line for line in table.splitlines() if line.startswith("Model (tiny): 1 layers, hidden 32"))
+    assert "SwiGLU" not in model_line and "LayerNorm" in model_line  # tiny is GELU
+    # the model line reads the shape's activation, and an older bench.json's swiglu flag
+    for shape in ({"activation": "swiglu"}, {"swiglu": True}):
+        swiglu = {**result, "meta": {**result["meta"], "shape": {**result["meta"]["shape"], **shape}}}
+        assert " SwiGLU, LayerNorm" in report.markdown(swiglu)
 
 
 def test_parity_with_the_baseline(bench_run):
