@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 KEEP = object()  # a rule's answer: leave the entry as it is and walk into it
 
@@ -35,8 +35,9 @@ def built_class(entry: Any) -> Any:
 
 
 class _Walk:
-    def __init__(self, rule: Rule) -> None:
+    def __init__(self, rule: Rule, each_module_spec: Optional[Callable[[Any], None]] = None) -> None:
         self.rule = rule
+        self.each_module_spec = each_module_spec
         self.hits = 0
         self.memo: dict[int, Any] = {}
 
@@ -65,7 +66,10 @@ class _Walk:
             changes = {"params": dict(obj.params), "submodules": self(obj.submodules)}
             if isinstance(getattr(obj, "metainfo", None), dict):
                 changes["metainfo"] = dict(obj.metainfo)
-            return dataclasses.replace(obj, **changes)
+            out = dataclasses.replace(obj, **changes)
+            if self.each_module_spec is not None:
+                self.each_module_spec(out)
+            return out
         changes = {}
         for f in dataclasses.fields(obj):
             if not f.init:
@@ -84,8 +88,9 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def walk_spec(spec: Any, rule: Rule) -> tuple[Any, int]:
-    """A copy of ``spec`` with every submodule entry ``rule`` answers for replaced; and how many were."""
-    walk = _Walk(rule)
+def walk_spec(spec: Any, rule: Rule, each_module_spec: Optional[Callable[[Any], None]] = None) -> tuple[Any, int]:
+    """A copy of ``spec`` with every submodule entry ``rule`` answers for replaced; and how many were.
+    ``each_module_spec`` is called once with every ``ModuleSpec`` of the copy, which it may edit."""
+    walk = _Walk(rule, each_module_spec)
     out = walk(spec)
     return out, walk.hits

@@ -147,6 +147,22 @@ def test_disk_builds_each_layer_into_its_file_and_ddp_buffers_hold_nothing(tmp_p
     run_ranks(1, _built_on_disk_body, str(tmp_path))
 
 
+def test_a_spec_stashed_twice_builds_layers_that_stash_once(tmp_path) -> None:
+    """The spec edit of ``disk`` applied to its own output (a spec passed through the plugin twice) gives the
+    same layer class, one stash per built layer, not a subclass that would write each layer twice."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_longctx.config import LongContextConfig
+    from megatron_longctx.megatron.features.model_states import FEATURE
+    from tests.gpt_kit import local_spec
+
+    cfg = LongContextConfig.from_flat({"model_state_offload": "disk", "offload_disk_dir": str(tmp_path)})
+    once = FEATURE.spec(local_spec(), cfg)
+    twice = FEATURE.spec(once, cfg)
+    assert once.module is twice.module and once.module.__mro__[1] is TransformerLayer
+    assert "longctx_stash" in twice.params and local_spec().module is TransformerLayer  # the original untouched
+
+
 def _bf16_body(root: str, disk: bool) -> tuple:
     """Three bf16 steps of the benchmark's Trainer (Megatron's Float16Module, DDP and mixed-precision optimizer,
     clipping on) at CP=2 ring, with the model states on disk or not: the losses, gradient norms, and each unit's

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import functools
 import os
 import sys
@@ -116,7 +115,9 @@ class LayerStash:
 @functools.lru_cache(maxsize=None)
 def _stashing(layer_class: type) -> type:
     """``layer_class`` whose constructor takes ``longctx_stash`` (a :class:`LayerStash`) and hands it the
-    built layer."""
+    built layer (``layer_class`` itself if it is one already)."""
+    if getattr(layer_class, "_longctx_stashing", False):
+        return layer_class
 
     def __init__(self: Any, *args: Any, longctx_stash: LayerStash, **kwargs: Any) -> None:
         layer_class.__init__(self, *args, **kwargs)
@@ -131,34 +132,14 @@ def stashing_spec(spec: Any, stash: LayerStash) -> Any:
     ``stash`` once constructed, so that a model built from it is never whole in memory."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_longctx.megatron.spec_walk import KEEP, is_module_spec, walk_spec
+    from megatron_longctx.megatron.spec_walk import KEEP, walk_spec
 
-    out, _ = walk_spec(spec, lambda submodules, name, entry: KEEP)
-    seen: set[int] = set()
+    def stashing(module_spec: Any) -> None:
+        if isinstance(module_spec.module, type) and issubclass(module_spec.module, TransformerLayer):
+            module_spec.module = _stashing(module_spec.module)
+            module_spec.params["longctx_stash"] = stash
 
-    def visit(obj: Any) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if is_module_spec(obj):
-            module = obj.module
-            if isinstance(module, type) and issubclass(module, TransformerLayer):
-                if not getattr(module, "_longctx_stashing", False):
-                    obj.module = _stashing(module)
-                obj.params["longctx_stash"] = stash
-            visit(obj.submodules)
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                visit(x)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                visit(x)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for f in dataclasses.fields(obj):
-                visit(getattr(obj, f.name))
-
-    visit(out)
-    return out
+    return walk_spec(spec, lambda submodules, name, entry: KEEP, stashing)[0]
 
 
 class ModelStatesFeature(Feature):
