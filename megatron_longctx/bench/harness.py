@@ -1,6 +1,6 @@
 """What every benchmark shares: the environment record written beside its figures, the timing median, the
-JSON writer, the text table and the plots' figure handling (torch is imported on use, so the benchmarks that only start processes stay
-without it)."""
+JSON writer, the text table and the plots' figure handling (torch is imported on use, so the benchmarks
+that only start processes stay without it)."""
 
 from __future__ import annotations
 

@@ -43,8 +43,9 @@ def _seeded_gpt(spec: Any = None, **config: Any) -> Any:
     model_parallel_cuda_manual_seed(3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return GPTModel(tiny_config(num_layers=3, **config), spec or local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                        position_embedding_type="rope", share_embeddings_and_output_weights=False)
+        return GPTModel(tiny_config(num_layers=3, **config), spec or local_spec(), vocab_size=VOCAB,
+                        max_sequence_length=SEQ, position_embedding_type="rope",
+                        share_embeddings_and_output_weights=False)
 
 
 def _gpt_body(recompute: bool, target: str, disk_dir: str, loss_tiles: int = 1, loss_recompute: bool = False) -> None:

@@ -68,7 +68,8 @@ def test_wiring_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="--longctx-tiled-loss-recompute"):
         TiledLossArgs(2, norm=torch.nn.LayerNorm(2))
     with pytest.raises(ValueError, match=r"\[b, s\]"):
-        tiled_logits_loss(torch.zeros(4, 1, 2), torch.zeros(3, 2), torch.zeros(4, 1, dtype=torch.long), TiledLossArgs(2))
+        tiled_logits_loss(torch.zeros(4, 1, 2), torch.zeros(3, 2), torch.zeros(4, 1, dtype=torch.long),
+                          TiledLossArgs(2))
     from megatron_longctx.memory.offload import ActivationOffloader
 
     with pytest.raises(ValueError, match="--longctx-offload-policy"):

@@ -235,7 +235,8 @@ def test_tiled_loss_recompute_accumulates_into_megatron_main_grad():
     # without the flag Megatron's hook adds the returned gradient: it is returned, main_grad untouched
     w2 = torch.nn.Parameter(weight.float())
     w2.main_grad = earlier.clone()
-    tiled_logits_loss(hidden.float(), w2, labels, TiledLossArgs(3, recompute=True, into_main_grad=True)).sum().backward()
+    args = TiledLossArgs(3, recompute=True, into_main_grad=True)
+    tiled_logits_loss(hidden.float(), w2, labels, args).sum().backward()
     torch.testing.assert_close(w2.main_grad, earlier)
     exact = _float64_oracle(hidden.float().double(), weight.float().double(), labels, torch.ones(b, s, dtype=torch.float64))
     torch.testing.assert_close(w2.grad.double(), exact[1]["weight"], rtol=0, atol=2.7e-6)  # measured 9.0e-7
