@@ -28,7 +28,7 @@ def load_recorded(path: Optional[str] = None) -> dict[str, Any]:
 class Finding:
     config: str
     seq_length: int | None
-    kind: str  # slower | hungrier | parity | max_seq | missing | budget
+    kind: str  # slower | hungrier | parity | max_seq | missing | budget | optimizer
     previous: float | None
     current: float | None
     message: str
@@ -92,8 +92,8 @@ def compare(current: dict[str, Any], previous: dict[str, Any], tolerance: float)
 
 def compare_recorded(current: dict[str, Any], recorded: dict[str, Any], tolerance: float) -> list[Finding]:
     """Every recorded max sequence (``recorded.json``: :mod:`.recorded`) that ``current`` no longer reaches
-    beyond ``tolerance``, and the headline ratio when it fell; a run under another budget is a finding too
-    (its figures do not compare)."""
+    beyond ``tolerance``, and the headline ratio when it fell; a run under another budget or optimizer is a
+    finding too (its figures do not compare)."""
     findings: list[Finding] = []
     ms = current.get("max_seq") or {}
     budget = recorded.get("budget_mib")
@@ -101,6 +101,13 @@ def compare_recorded(current: dict[str, Any], recorded: dict[str, Any], toleranc
         findings.append(Finding("*", None, "budget", budget, ms.get("budget_bytes", 0) / 2**20,
                                 f"recorded figures are at {budget} MiB/rank, this run used "
                                 f"{ms.get('budget_bytes', 0) / 2**20:.0f} MiB/rank: rerun with --budget-mib {budget}"))
+        return findings
+    want = bool(recorded.get("distributed_optimizer", False))
+    if ms and bool((current.get("meta") or {}).get("distributed_optimizer", False)) != want:
+        fix = "without --no-distributed-optimizer" if want else "with --no-distributed-optimizer"
+        findings.append(Finding("*", None, "optimizer", want, not want,
+                                f"recorded figures are {'with' if want else 'without'} Megatron's distributed "
+                                f"optimizer, this run {'without' if want else 'with'} it: rerun {fix}"))
         return findings
     now = ms.get("results", {})
     for config, old in sorted(recorded.get("max_seq", {}).items()):

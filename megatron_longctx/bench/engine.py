@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -110,6 +111,9 @@ class OptimConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     clip_grad: float = 0.0
+    # Megatron's distributed optimizer (--use-distributed-optimizer): Adam's moments sharded over DP x CP,
+    # the gradients reduce-scattered and the updated weights all-gathered; not with model-state offload
+    distributed: bool = False
 
 
 @dataclasses.dataclass
@@ -367,7 +371,9 @@ class Trainer:
             from megatron.core.transformer.module import Float16Module
 
             module = Float16Module(self.config, self.model)
-        ddp = DistributedDataParallel(self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=self.optim_cfg.distributed)
+        ddp = DistributedDataParallel(self.config, ddp_config, module)
         self.config.no_sync_func = ddp.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         return ddp
@@ -378,17 +384,10 @@ class Trainer:
         o = self.optim_cfg
         cfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                               adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=self.shape.bf16,
-                              fp16=False)
+                              fp16=False, use_distributed_optimizer=o.distributed)
         building = self.model_states.building_optimizer() if self.model_states is not None else contextlib.nullcontext()
-        try:
-            with building:
-                return get_megatron_optimizer(cfg, [self.ddp])
-        except TypeError as exc:  # older megatron-core: its Float16 optimizer checks for torch.cuda tensors
-            if self.shape.bf16 and "torch.cuda" in str(exc):
-                raise ValueError(f"--bf16: this megatron-core's mixed-precision optimizer takes CUDA parameters "
-                                 f"only ({str(exc).splitlines()[0][:160]}); run --bf16 on a GPU, or on the CPU with "
-                                 "a megatron-core whose optimizer takes CPU bf16 parameters (0.19.2 does)") from exc
-            raise
+        with building:
+            return get_megatron_optimizer(cfg, [self.ddp])
 
     # ------------------------------------------------------------------ one step
     def _reseed(self, step: int) -> None:
@@ -422,12 +421,15 @@ class Trainer:
 
         return per_token, loss_func
 
-    def step(self, step: int, batch: dict[str, torch.Tensor], meter: Optional[MemoryMeter] = None) -> StepResult:
-        """One optimizer step on ``batch`` (the global batch ``[gbs, s]``, identical on every rank)."""
+    def step(self, step: int, batch: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]],
+             meter: Optional[MemoryMeter] = None) -> StepResult:
+        """One optimizer step on ``batch``: the global batch ``[gbs, s]``, identical on every rank, or a function
+        that makes it, whose batch then lives only until this rank's micro-batches (its CP slices) are cut from
+        it, as Megatron's ``get_batch`` keeps only those."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self._reseed(step)
-        micro = self._microbatches(batch)
+        micro = self._microbatches(batch() if callable(batch) else batch)
         _sync()
         start, cpu_start = time.perf_counter(), time.process_time()
         self.ddp.zero_grad_buffer()
@@ -488,7 +490,7 @@ def run_steps(trainer: Trainer, batches: Callable[[int], dict], start: int, stop
     base = rss_bytes() if base_bytes is None else base_bytes
     for step in range(start, stop):
         with MemoryMeter(base, budget_bytes) as meter:
-            result = trainer.step(step, batches(step), meter)
+            result = trainer.step(step, functools.partial(batches, step), meter)
         result.peak_bytes = meter.peak_bytes
         results.append(result)
         if on_step is not None:

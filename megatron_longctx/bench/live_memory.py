@@ -136,6 +136,14 @@ def per_token(records: list[dict[str, Any]], cp_of: dict[str, int]) -> dict[str,
     return out
 
 
+def top_labels(by_label: dict[str, int], top: int) -> dict[str, int]:
+    """The ``top`` largest labels of one peak's breakdown (layers summed, :func:`_group`), bytes."""
+    grouped: collections.Counter = collections.Counter()
+    for label, n in by_label.items():
+        grouped[_group(label)] += n
+    return dict(grouped.most_common(top))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from megatron_longctx.bench import regression
     from megatron_longctx.bench.configs import default_configs
@@ -154,15 +162,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     seqs = [int(s) for s in args.seq_lengths.split(",")]
     task = {"cp": args.nproc_per_node, "shape": shape, "seed": 1234, "lr": 2e-3, "warmup": 1, "steps": 1,
-            "global_batch_size": args.nproc_per_node, "budget_bytes": None, "configs": names, "seq_lengths": seqs,
+            "global_batch_size": args.nproc_per_node, "budget_bytes": None,
+            "distributed_optimizer": True, "configs": names, "seq_lengths": seqs,
             "data_dir": "runs/live_memory_data", "trace_live": True}
     rc, output, records = regression.run_probe_job(task, args.nproc_per_node, 3600)
     if rc != 0 and not records:
         raise RuntimeError(f"live-memory job exited {rc}: {output[-1500:]}")
     cp_of = {c.name: c.variant.context_parallel_size for c in default_configs(args.nproc_per_node)}
     result = {"shape": shape, "seq_lengths": seqs, "per_token": per_token(records, cp_of),
-              "records": [{k: v for k, v in r.items() if k in ("config", "seq_length", "status", "live_peak_bytes",
-                                                              "peak_mem_bytes")} for r in records]}
+              "records": [{**{k: v for k, v in r.items() if k in ("config", "seq_length", "status", "live_peak_bytes",
+                                                                 "peak_mem_bytes")},
+                           "top_at_peak": top_labels(r.get("live_peak_by_label", {}), args.top)} for r in records]}
+    for r in result["records"]:
+        if r["top_at_peak"]:
+            print(f"{r['config']} at {r['seq_length']}: {r['live_peak_bytes'] / 2**20:.1f} MiB live at the peak")
+            for label, b in r["top_at_peak"].items():
+                print(f"    {b / 2**20:9.2f} MiB  {label}")
     for name, r in result["per_token"].items():
         print(f"{name}: {r['total_bytes_per_token']:.0f} B live / local token at the peak "
               f"(RSS: {r['rss_bytes_per_token']:.0f} B)")

@@ -54,6 +54,15 @@ def model_flops_per_step(shape: GPTShape, tokens: int) -> float:
     return 6.0 * tokens * (dense + attention)
 
 
+def optimizer_of(task: dict[str, Any], config: Any) -> str:
+    """Which optimizer a point trains with: ``distributed`` (Megatron's, the task's ``distributed_optimizer``),
+    ``off-device`` (a model-state row's: its streamer steps Adam off the device, and Megatron's distributed
+    optimizer does not compose with it) or ``whole`` (Megatron's, every rank holding all of Adam's moments)."""
+    if streams_model_states(config):
+        return "off-device"
+    return "distributed" if task.get("distributed_optimizer", False) else "whole"
+
+
 def _cap_gpu_memory(budget_bytes: int) -> None:
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
@@ -74,7 +83,9 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
     if budget and torch.cuda.is_available():
         torch.cuda.empty_cache()
         _cap_gpu_memory(budget)
-    trainer = Trainer(shape, variant, OptimConfig(lr=task["lr"]), gbs, task["seed"])
+    optimizer = optimizer_of(task, configs[config_name])
+    trainer = Trainer(shape, variant, OptimConfig(lr=task["lr"], distributed=optimizer == "distributed"), gbs,
+                      task["seed"])
     live = None
     if task.get("trace_live"):  # what the step's peak is made of (bench.live_memory)
         from megatron_longctx.bench.live_memory import LiveTensors
@@ -109,6 +120,7 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
     return {
         **traced, **({} if states is None else {"model_states": states}),
         "config": config_name, "seq_length": seq_length, "status": "ok", "global_batch_size": gbs,
+        "optimizer": optimizer,
         "step_times_s": [r.step_time_s for r in timed], "step_time_s": step_time,
         "cpu_s_per_step": float(cpu.item()), "cpu_us_per_token": float(cpu.item()) / tokens * 1e6,
         "tokens_per_s": tokens / step_time, "model_tflops": flops / step_time / 1e12 / dist.get_world_size(),

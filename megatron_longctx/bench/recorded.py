@@ -34,7 +34,8 @@ def gate_probe(gate: dict[str, Any], log: Callable[[str], None] = lambda s: None
     shape = regression.model_shape(args)
     data_dir = data_dir or os.path.join(tempfile.gettempdir(), "longctx-gate-data")
     base_task = {"cp": nproc, "shape": shape, "seed": args.seed, "lr": args.lr, "warmup": 0, "steps": 1,
-                 "global_batch_size": nproc, "budget_bytes": None, "data_dir": data_dir}
+                 "global_batch_size": nproc, "budget_bytes": None, "data_dir": data_dir,
+                 "distributed_optimizer": bool(gate.get("distributed_optimizer", False))}
     budget = int(float(gate["budget_mib"]) * 2**20)
     out = regression._max_seq(args, base_task, [gate["config"]], budget, log)
     return out["results"][gate["config"]]

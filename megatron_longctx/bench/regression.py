@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16 mixed precision as Megatron's --bf16 (bf16 weights and activations, fp32 main grads, "
                         "master weights and Adam) for every configuration; the default budget grows by the 2 bytes "
                         "per parameter of the bf16 weights kept beside the fp32 master copy")
+    p.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false",
+                   help="each rank holds all of Adam's moments; by default every row but the model-state ones trains "
+                        "with Megatron's distributed optimizer (--use-distributed-optimizer: the moments sharded over "
+                        "the ranks), as a Megatron user at these ranks does")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--budget-mib", type=float, default=None,
@@ -197,7 +201,8 @@ def _meta(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     return harness.environment(device=device, world_size=args.nproc_per_node, shape=shape, preset=args.preset,
-                               time_reference=FLASH_RECOMPUTE, steps=args.steps, warmup=args.warmup)
+                               time_reference=FLASH_RECOMPUTE, steps=args.steps, warmup=args.warmup,
+                               distributed_optimizer=args.distributed_optimizer)
 
 
 def _log(text: str) -> None:
@@ -228,6 +233,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
             log(f"{c.name}: unavailable: {reason}")
     base_task = {"cp": cp, "shape": shape, "seed": args.seed, "lr": args.lr, "warmup": args.warmup,
                  "steps": args.steps, "global_batch_size": args.nproc_per_node, "budget_bytes": None,
+                 "distributed_optimizer": args.distributed_optimizer,
                  "data_dir": os.path.join(args.output_dir, "data")}
     start = time.perf_counter()
     log(f"sweep: {len(runnable)} configurations x {len(seqs)} lengths on {cp} ranks ...")

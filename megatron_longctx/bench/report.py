@@ -79,6 +79,13 @@ def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
     return "–" if value is None else format(value / scale, spec)
 
 
+def _optimizer_line(meta: dict[str, Any]) -> str:
+    if not meta.get("distributed_optimizer"):  # an older bench.json did not say: it was this
+        return "Megatron's optimizer, all of Adam's moments on every rank"
+    return ("Megatron's distributed optimizer (Adam's moments sharded over the ranks) on every row but the "
+            "model-state ones, whose Adam is off the device")
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The sweep as a markdown table (one row per configuration and sequence length) + max-seq lines."""
     meta, shape = result["meta"], result["meta"]["shape"]
@@ -90,7 +97,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{shape['num_attention_heads']} heads ({shape['num_query_groups']} KV groups), ffn "
              f"{shape['ffn_hidden_size']}{' SwiGLU' if swiglu else ''}, "
              f"{shape.get('normalization', 'LayerNorm')}, vocabulary {shape['vocab_size']}, "
-             f"{'bf16 mixed precision' if shape.get('bf16') else 'float32'}; median of "
+             f"{'bf16 mixed precision' if shape.get('bf16') else 'float32'}; {_optimizer_line(meta)}; median of "
              f"{meta['steps']} timed steps after {meta['warmup']} warm-up; time = the slowest rank's CPU-seconds "
              f"per step; ratios against rows of the same run (load average {meta.get('loadavg', '?')}); ref = "
              "megatron-unfused, or megatron-flash where the unfused scores would not fit.", "",

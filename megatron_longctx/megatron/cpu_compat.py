@@ -218,9 +218,7 @@ def _training_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]
     * ``.cuda()`` on tensors and modules (the script's ``get_batch``, ``get_model``) returns them as they
       are, and ``megatron.training.training`` / ``checkpointing`` / ``rerun_state_machine`` allocate with
       ``device="cuda"`` (:data:`_HARD_CODED_CUDA_TRAINING_MODULES`);
-    * ``torch.cuda.Stream()`` (the DDP wrap's initialisation stream) is a stream that never waits;
-    * the optimizers and ``clip_grad_by_total_norm_fp32`` check parameters and grads by their type names
-      (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``): ``Tensor.type()`` names CPU tensors so.
+    * ``torch.cuda.Stream()`` (the DDP wrap's initialisation stream) is a stream that never waits.
     """
     try:
         from megatron.training import arguments, initialize  # noqa: F401
@@ -229,7 +227,6 @@ def _training_patches(cpu_torch: types.ModuleType) -> list[tuple[Any, str, Any]]
         return []
     patches: list[tuple[Any, str, Any]] = [
         (torch.Tensor, "cuda", _tensor_cuda),
-        (torch.Tensor, "type", _type_as_on_cuda),
         (torch.cuda, "Stream", _NoStream),
         (initialize, "_warmup_jit_function", _no_jit_warmup),
     ]
@@ -295,7 +292,10 @@ def _patches() -> list[tuple[Any, str, Any]]:
       ``torch.cuda.current_stream()`` waits in DDP's grad sync: nothing to wait for on the CPU;
     * ``get_default_causal_mask``, ``get_sliding_window_causal_mask``, the token counters of
       ``pipeline_parallel/schedules.py`` and the optimizer's flags and grad-norm buffers allocate with
-      ``device="cuda"`` (:data:`_HARD_CODED_CUDA_MODULES`).
+      ``device="cuda"`` (:data:`_HARD_CODED_CUDA_MODULES`);
+    * the optimizers (mixed-precision and distributed) and ``clip_grad_by_total_norm_fp32`` check parameters
+      and grads by their type names (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``):
+      ``Tensor.type()`` names CPU tensors so.
     """
     import torch.cuda.random
 
@@ -309,6 +309,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "manual_seed_all", _cpu_manual_seed),
         (torch.cuda, "synchronize", _no_device_to_synchronize),
         (torch.cuda, "current_stream", _current_stream),
+        (torch.Tensor, "type", _type_as_on_cuda),
     ]
     with contextlib.suppress(ImportError):  # first: it imports Megatron-Core modules that the lines below patch
         importlib.import_module("megatron.training.training")

@@ -11,8 +11,9 @@ from megatron_longctx.bench.compare import compare_recorded
 from megatron_longctx.bench.configs import default_configs
 
 
-def _result(max_seqs: dict, budget_mib: float, ratio: float) -> dict:
-    return {"max_seq": {"budget_bytes": int(budget_mib * 2**20),
+def _result(max_seqs: dict, budget_mib: float, ratio: float, distributed_optimizer: bool = True) -> dict:
+    return {"meta": {"distributed_optimizer": distributed_optimizer},
+            "max_seq": {"budget_bytes": int(budget_mib * 2**20),
                         "results": {k: {"max_seq": v, "at_cap": False} for k, v in max_seqs.items()},
                         "max_seq_ratio_vs_strongest": {"ratio": ratio}}}
 
@@ -40,6 +41,9 @@ def test_compare_recorded_finds_a_fallen_max_sequence_and_headline():
     assert {f.kind for f in compare_recorded(_result(missing, budget, ratio), figures, 0.05)} == {"missing"}
     other = compare_recorded(_result(same, budget / 2, ratio), figures, 0.05)
     assert [f.kind for f in other] == ["budget"] and "--budget-mib" in other[0].message
+    assert figures["distributed_optimizer"] is True
+    whole = compare_recorded(_result(same, budget, ratio, distributed_optimizer=False), figures, 0.05)
+    assert [f.kind for f in whole] == ["optimizer"] and "without --no-distributed-optimizer" in whole[0].message
 
 
 def test_the_best_configuration_still_fits_the_recorded_gate(tmp_path):
