@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "strongest baseline one; the model-state rows ring+offload[+mlp]+states-<disk|host>, named "
                         "in --configs too, have their own headline over the same baselines)")
     p.add_argument("--max-seq-start", type=int, default=512, help="first probe length of the search")
-    p.add_argument("--max-seq-cap", type=int, default=32768, help="longest length probed (CPU time is quadratic)")
+    p.add_argument("--max-seq-cap", type=int, default=65536, help="longest length probed (CPU time is quadratic)")
     p.add_argument("--max-seq-resolution", type=float, default=0.1, help="bisection stops at this relative gap")
     p.add_argument("--skip-max-seq", action="store_true")
     p.add_argument("--time-check-rounds", type=int, default=5,
