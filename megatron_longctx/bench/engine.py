@@ -373,7 +373,8 @@ class Trainer:
             module = Float16Module(self.config, self.model)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    use_distributed_optimizer=self.optim_cfg.distributed)
-        ddp = DistributedDataParallel(self.config, ddp_config, module)
+        with self.plugin.wrapping_ddp(self.model) if self.plugin is not None else contextlib.nullcontext():
+            ddp = DistributedDataParallel(self.config, ddp_config, module)
         self.config.no_sync_func = ddp.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         return ddp

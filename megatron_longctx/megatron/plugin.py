@@ -118,6 +118,14 @@ class LongContextPlugin:
         ``model``; then :meth:`wire_optimizer` with the optimizer built over it."""
         return self.install(model, tuple(f for f in self.features if f.waits_for_optimizer))
 
+    def wrapping_ddp(self, model: Any) -> contextlib.AbstractContextManager:
+        """The context to wrap ``model`` in Megatron's DDP in, before :meth:`install_after_wrap`."""
+        stack = contextlib.ExitStack()
+        for feature in self.features:
+            if feature.waits_for_optimizer:
+                stack.enter_context(feature.wrapping_ddp(model, self.cfg))
+        return stack
+
     def building_optimizer(self, installation: Installation) -> contextlib.AbstractContextManager:
         """The context to build Megatron's optimizer in over the model ``installation`` went on."""
         stack = contextlib.ExitStack()

@@ -115,3 +115,45 @@ def test_the_model_states_headline():
     nothing = model_states_headline(dict(results, **{"megatron-flash+recompute": {"max_seq": 0},
                                                      "megatron-flash+cp+recompute": {"max_seq": 0}}), roles, streamed)
     assert nothing["ratio"] is None and "no ratio" in model_states_line(nothing)
+
+
+def _grad_buffer_allocations(disk_dir: str, streamed: bool):
+    from megatron_longctx.bench.engine import OptimConfig, Trainer, Variant
+    from megatron_longctx.megatron import cpu_compat
+
+    class Zeros(torch.overrides.TorchFunctionMode):
+        """Sizes of the floating ``torch.zeros`` that hold memory (DDP's buffers are made by it; a layer's
+        stash packs its bytes in a uint8 one)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.zeros and out.device.type != "meta" and out.dtype.is_floating_point:
+                self.sizes.append(out.numel())
+            return out
+
+    options = [("cp_algorithm", "ring")]
+    options += [("model_state_offload", "disk"), ("offload_disk_dir", disk_dir)] if streamed else []
+    shape = GPTShape(dataclasses.replace(MODEL, num_layers=2), seq_length=64)
+    with cpu_compat.enabled(), Zeros() as zeros:
+        trainer = Trainer(shape, Variant("p", context_parallel_size=2, plugin=True, longctx_options=tuple(options)),
+                          OptimConfig(), 1, 1)
+        params = sum(p.numel() for p in trainer.model.parameters())
+        trainer.close()
+    return max(zeros.sizes, default=0), params
+
+
+def test_the_trainer_lays_ddp_gradient_buffers_out_without_memory_for_a_streamed_model(tmp_path):
+    """The benchmark's Trainer wraps a ``disk`` model in DDP as the deferred install does: the gradient buffers
+    (one float32 main gradient per weight, which the streamer replaces) are laid out on the meta device, so a
+    row's peak never holds them; without the offload DDP allocates them whole."""
+    from tests.dist import run_ranks
+
+    streamed = run_ranks(2, _grad_buffer_allocations, str(tmp_path), True)
+    whole = run_ranks(2, _grad_buffer_allocations, str(tmp_path), False)
+    for (largest, params), (largest_whole, _) in zip(streamed, whole):
+        assert largest_whole >= params  # the one buffer of every main gradient
+        assert largest < params / 4, f"a {largest}-element buffer was allocated for {params} streamed weights"

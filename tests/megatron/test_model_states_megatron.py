@@ -99,7 +99,7 @@ def _built_on_disk_body(disk_dir: str) -> None:
 
     from megatron_longctx.config import LongContextConfig
     from megatron_longctx.megatron.features.base import Built
-    from megatron_longctx.megatron.features.model_states import FEATURE, _units, _unbacked_grad_buffers
+    from megatron_longctx.megatron.features.model_states import FEATURE, _units
     from megatron_longctx.memory.model_state_store import STASHED
     from tests.dist import megatron_parallel
     from tests.gpt_kit import batch, cpu, local_spec
@@ -119,10 +119,8 @@ def _built_on_disk_body(disk_dir: str) -> None:
         assert len(set(files)) == len(model.decoder.layers)
         assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.embedding.parameters())
 
-        undo = _unbacked_grad_buffers(model)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-        for p in undo:
-            p.undo()
+        with FEATURE.wrapping_ddp(model, cfg):
+            ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
         assert ddp.buffers and all(b.grad_data.is_meta for b in ddp.buffers)  # laid out, no memory behind them
         installed = FEATURE.install(Built.of([ddp]), cfg)
         streamer = installed.streamer

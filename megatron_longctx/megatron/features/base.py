@@ -75,6 +75,11 @@ class Feature:
     def install(self, built: Built, cfg: LongContextConfig) -> Installed:
         raise NotImplementedError
 
+    def wrapping_ddp(self, model: Any, cfg: LongContextConfig) -> contextlib.AbstractContextManager:
+        """For ``waits_for_optimizer`` features: a context Megatron's DDP wraps ``model`` in, for a caller that
+        wraps it itself and then calls :meth:`install` (the deferred install enters its own)."""
+        return contextlib.nullcontext()
+
     def building_optimizer(self, installed: Installed) -> contextlib.AbstractContextManager:
         """For ``waits_for_optimizer`` features: a context Megatron's optimizer is built in over the model they
         went on (``get_megatron_optimizer``)."""

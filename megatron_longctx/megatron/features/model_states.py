@@ -30,7 +30,7 @@ import contextlib
 import functools
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -214,6 +214,17 @@ class ModelStatesFeature(Feature):
         installed = Installed(patches=patches, description=description, stats=stats, close=streamer.remove)
         installed.streamer = streamer  # type: ignore[attr-defined]
         return installed
+
+    @contextlib.contextmanager
+    def wrapping_ddp(self, model: Any, cfg: LongContextConfig) -> Iterator[None]:
+        """DDP's gradient buffers for ``model`` laid out on the meta device while DDP wraps it, as the deferred
+        install lays them out (:func:`_unbacked_grad_buffers`): the streamer replaces them at install."""
+        patches = _unbacked_grad_buffers(model)
+        try:
+            yield
+        finally:
+            for p in patches:
+                p.undo()
 
     def building_optimizer(self, installed: Installed) -> contextlib.AbstractContextManager:
         """With float32 masters on disk: Megatron's mixed-precision optimizer is built with its copy of each
