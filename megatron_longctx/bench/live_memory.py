@@ -157,14 +157,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", default=None, help="JSON file to write")
     p.add_argument("--top", type=int, default=12, help="labels printed per configuration")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    shape_args = regression.build_parser().parse_args(["--preset", args.preset] + ["--bf16"] * args.bf16)
-    shape = regression.model_shape(shape_args)
+    bench_args = regression.build_parser().parse_args(["--preset", args.preset, "--nproc-per-node",
+                                                       str(args.nproc_per_node)] + ["--bf16"] * args.bf16)
+    shape = regression.model_shape(bench_args)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     seqs = [int(s) for s in args.seq_lengths.split(",")]
-    task = {"cp": args.nproc_per_node, "shape": shape, "seed": 1234, "lr": 2e-3, "warmup": 1, "steps": 1,
-            "global_batch_size": args.nproc_per_node, "budget_bytes": None,
-            "distributed_optimizer": True, "configs": names, "seq_lengths": seqs,
-            "data_dir": "runs/live_memory_data", "trace_live": True}
+    task = regression.probe_task(bench_args, shape, "runs/live_memory_data", warmup=1, steps=1, configs=names,
+                                 seq_lengths=seqs, trace_live=True)
     rc, output, records = regression.run_probe_job(task, args.nproc_per_node, 3600)
     if rc != 0 and not records:
         raise RuntimeError(f"live-memory job exited {rc}: {output[-1500:]}")

@@ -30,12 +30,10 @@ def gate_probe(gate: dict[str, Any], log: Callable[[str], None] = lambda s: None
     seq, nproc = int(gate["seq_length"]), int(gate.get("nproc_per_node", 2))
     args = regression.build_parser().parse_args([
         "--nproc-per-node", str(nproc), "--preset", gate["preset"],
-        "--max-seq-start", str(seq), "--max-seq-cap", str(seq), "--timeout", str(gate.get("timeout_s", 600))])
-    shape = regression.model_shape(args)
+        "--max-seq-start", str(seq), "--max-seq-cap", str(seq), "--timeout", str(gate.get("timeout_s", 600))]
+        + ([] if gate.get("distributed_optimizer", False) else ["--no-distributed-optimizer"]))
     data_dir = data_dir or os.path.join(tempfile.gettempdir(), "longctx-gate-data")
-    base_task = {"cp": nproc, "shape": shape, "seed": args.seed, "lr": args.lr, "warmup": 0, "steps": 1,
-                 "global_batch_size": nproc, "budget_bytes": None, "data_dir": data_dir,
-                 "distributed_optimizer": bool(gate.get("distributed_optimizer", False))}
+    base_task = regression.probe_task(args, regression.model_shape(args), data_dir, warmup=0, steps=1)
     budget = int(float(gate["budget_mib"]) * 2**20)
     out = regression._max_seq(args, base_task, [gate["config"]], budget, log)
     return out["results"][gate["config"]]

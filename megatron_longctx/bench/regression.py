@@ -205,6 +205,14 @@ def _meta(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
                                distributed_optimizer=args.distributed_optimizer)
 
 
+def probe_task(args: argparse.Namespace, shape: dict[str, Any], data_dir: str, **fields: Any) -> dict[str, Any]:
+    """What every probe job of a run shares (:mod:`.probe` reads it), from the benchmark's ``args``; ``fields``
+    add to it or replace its values."""
+    return {"cp": args.nproc_per_node, "shape": shape, "seed": args.seed, "lr": args.lr, "warmup": args.warmup,
+            "steps": args.steps, "global_batch_size": args.nproc_per_node, "budget_bytes": None,
+            "distributed_optimizer": args.distributed_optimizer, "data_dir": data_dir, **fields}
+
+
 def _log(text: str) -> None:
     print(text, flush=True)
 
@@ -231,10 +239,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
             runnable.append(c.name)
         else:
             log(f"{c.name}: unavailable: {reason}")
-    base_task = {"cp": cp, "shape": shape, "seed": args.seed, "lr": args.lr, "warmup": args.warmup,
-                 "steps": args.steps, "global_batch_size": args.nproc_per_node, "budget_bytes": None,
-                 "distributed_optimizer": args.distributed_optimizer,
-                 "data_dir": os.path.join(args.output_dir, "data")}
+    base_task = probe_task(args, shape, os.path.join(args.output_dir, "data"))
     start = time.perf_counter()
     log(f"sweep: {len(runnable)} configurations x {len(seqs)} lengths on {cp} ranks ...")
     by_name = {c.name: c for c in configs}
