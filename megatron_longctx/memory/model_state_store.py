@@ -333,6 +333,31 @@ class OffDeviceStore:
         self._write(masters, u.mpath, f"unit {index}'s master weights")
         self._write(weights, u.path, f"unit {index}'s weights")
 
+    def gather_weights(self, shards: Any) -> None:
+        """After a step of the distributed optimizer (:mod:`.model_state_shards`), which updated this rank's
+        range of each unit's weights: every unit's off-device weights whole again, from every rank's range
+        (``disk``: each file read, gathered and written back, one unit on the host at a time)."""
+        self._weights_change()
+        for u in self.units:
+            data = u.host if u.host is not None else self._read(u.path, u.nbytes, f"unit {u.index}'s weights")
+            for dtype in dict.fromkeys(p.dtype for p in u.params):  # one collective per dtype in the unit
+                shards.gather(u.index, [view(data, p.offset, p.dtype, p.shape) if p.dtype == dtype else None
+                                        for p in u.params])
+            if u.host is None:
+                self._write(data, u.path, f"unit {u.index}'s weights")
+
+    def gather_masters(self, shards: Any) -> None:
+        """Every unit's float32 masters in their files whole again from every rank's range (the distributed
+        optimizer updates only its own; a checkpoint saves them all)."""
+        for u in self.units:
+            if u.mpath is None:
+                continue
+            assert self._mstaging is not None
+            data = self._read_into(self._mstaging, u.mpath, u.mbytes, f"unit {u.index}'s master weights")
+            shards.gather(u.index, [view(data, p.moffset, torch.float32, p.shape) if p.moffset >= 0 else None
+                                    for p in u.params])
+            self._write(data, u.mpath, f"unit {u.index}'s master weights")
+
     def param_groups(self) -> list[list[torch.nn.Parameter]]:
         """The streamed parameters, one list per unit (what :meth:`grads_in` and :meth:`weights_in` bring in)."""
         return [[p.param for p in u.params] for u in self.units]

@@ -41,6 +41,9 @@ class OffDeviceSpec:
     disk_dir: Optional[str] = None  # root of the run directory for "disk"
     chunk_numel: int = 1 << 22  # elements per chunk (rounded up to a multiple of 4096)
     source: Any = None  # a ParamSource: parameters whose weights and gradients the step brings in itself
+    # the distributed optimizer (model_state_shards): id(parameter) -> the element range [lo, hi) this rank
+    # keeps moments for and updates; parameters not in it are whole on every rank
+    owned: Any = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -80,7 +83,9 @@ class OffDeviceAdamW(torch.optim.Optimizer):
     (the denominator; for ``disk`` also the two moments read back), come from ``spec.pool``: a pool too
     small for them is refused here.  A failed ``disk`` write leaves the parameters, the step counts and the
     previous moments file as they were, and raises one :class:`DiskOffloadError` naming the flag, the path
-    and the bytes.
+    and the bytes.  With ``spec.owned`` (the distributed optimizer) it keeps moments for, and updates, only
+    this rank's range of each parameter; its ``state_dict`` then needs every rank's moments gathered first
+    (:meth:`set_gathered`).
     """
 
     def __init__(self, params: Iterable[Any], spec: OffDeviceSpec, lr: float = 1e-3,
@@ -108,6 +113,7 @@ class OffDeviceAdamW(torch.optim.Optimizer):
                                  f"{p.dtype} on {p.device}; the parameters Megatron's optimizer holds must be "
                                  "the off-device copies")
         self.staging_peak = 0  # most staging bytes held at once (the cost bound)
+        self._gathered: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]] = None  # whole moments, for a save
         self._staged = 0
         self._run_dir = RunDir(spec.disk_dir) if spec.target == "disk" else None
         self._offsets = self._layout()
@@ -118,12 +124,26 @@ class OffDeviceAdamW(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _range(self, p: torch.Tensor) -> tuple[int, int]:
+        """The elements of ``p`` this rank's moments cover (all of them unless the states are sharded)."""
+        owned = self.spec.owned
+        return owned.get(id(p), (0, p.numel())) if owned is not None else (0, p.numel())
+
+    def _kept(self, p: torch.Tensor) -> int:
+        lo, hi = self._range(p)
+        return hi - lo
+
+    @property
+    def moment_elements(self) -> int:
+        """Elements of each moment this rank keeps (the cost the distributed optimizer divides)."""
+        return sum(self._kept(p) for p in self._params())
+
     def _layout(self) -> dict[int, int]:
-        """Byte offset of each parameter's ``[exp_avg | exp_avg_sq]`` in the moments file."""
+        """Byte offset of each parameter's ``[exp_avg | exp_avg_sq]`` (of its kept range) in the moments file."""
         offsets, at = {}, 0
         for p in self._params():
             offsets[id(p)] = at
-            at += 2 * p.numel() * _F32
+            at += 2 * self._kept(p) * _F32
         self._file_bytes = at
         return offsets
 
@@ -150,9 +170,10 @@ class OffDeviceAdamW(torch.optim.Optimizer):
                 pool.give(buf)
 
     def _chunks(self, p: torch.Tensor) -> Iterator[tuple[int, int]]:
-        n, step = p.numel(), self.spec.chunk
-        for lo in range(0, n, step):
-            yield lo, min(lo + step, n)
+        """``[lo, hi)`` element ranges of ``p``'s kept range, one staging chunk each."""
+        first, last = self._range(p)
+        for lo in range(first, last, self.spec.chunk):
+            yield lo, min(lo + self.spec.chunk, last)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -171,16 +192,21 @@ class OffDeviceAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    if self._run_dir is None:
+                    if self._run_dir is None and self.spec.owned is None:
                         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    elif self._run_dir is None:  # this rank's range only, flat
+                        state["exp_avg"] = torch.zeros(self._kept(p), dtype=p.dtype)
+                        state["exp_avg_sq"] = torch.zeros(self._kept(p), dtype=p.dtype)
                 work.append((group, p, float(state["step"].item()) + 1))
         with self._staging() as bufs:
             if self._run_dir is None:
                 for group, p, step in work:
                     state = self.state[p]
+                    first = self._range(p)[0]
                     for lo, hi in self._chunks(p):
-                        m, v = state["exp_avg"].view(-1)[lo:hi], state["exp_avg_sq"].view(-1)[lo:hi]
+                        m = state["exp_avg"].view(-1)[lo - first:hi - first]
+                        v = state["exp_avg_sq"].view(-1)[lo - first:hi - first]
                         _moments(group, p.grad.reshape(-1)[lo:hi], m, v)
                         _update(group, step, p.view(-1)[lo:hi], m, v, bufs[0][:hi - lo])
                     state["step"].fill_(step)
@@ -210,13 +236,13 @@ class OffDeviceAdamW(torch.optim.Optimizer):
         with self._writer() as write:  # pass 1: new moments into the temporary file, committed at exit
             for block in self._blocks(weights=False):
                 for p in block:
-                    base = self._offsets[id(p)]
+                    base, (first, _), kept = self._offsets[id(p)], self._range(p), self._kept(p)
                     for lo, hi in self._chunks(p):
                         m, v = self._read(old, p, lo, hi, m_buf, v_buf)
                         if id(p) in stepped and p.grad is not None:
                             _moments(stepped[id(p)][0], p.grad.reshape(-1)[lo:hi], m, v)
-                        write(m, base + lo * _F32)
-                        write(v, base + (p.numel() + lo) * _F32)
+                        write(m, base + (lo - first) * _F32)
+                        write(v, base + (kept + lo - first) * _F32)
         for block in self._blocks(weights=True):  # pass 2: the parameters from the committed moments
             for p in block:
                 if id(p) not in stepped:
@@ -235,9 +261,9 @@ class OffDeviceAdamW(torch.optim.Optimizer):
             m.zero_()
             v.zero_()
             return m, v
-        base, n = self._offsets[id(p)], (hi - lo) * _F32
-        read_file(path, n, base + lo * _F32, out=m.view(torch.uint8))
-        read_file(path, n, base + (p.numel() + lo) * _F32, out=v.view(torch.uint8))
+        base, n, first = self._offsets[id(p)], (hi - lo) * _F32, self._range(p)[0]
+        read_file(path, n, base + (lo - first) * _F32, out=m.view(torch.uint8))
+        read_file(path, n, base + (self._kept(p) + lo - first) * _F32, out=v.view(torch.uint8))
         return m, v
 
     @contextlib.contextmanager
@@ -275,35 +301,64 @@ class OffDeviceAdamW(torch.optim.Optimizer):
                              exc) from exc
 
     # ------------------------------------------------------------------ checkpoints
+    def kept_moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``p``'s two moments over this rank's range, flat (copies read from the file for ``disk``; zeros
+        before its first step)."""
+        if "step" not in self.state.get(p, {}):
+            return torch.zeros(self._kept(p)), torch.zeros(self._kept(p))
+        if self._run_dir is None:
+            state = self.state[p]
+            return state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        m, v = torch.empty(self._kept(p)), torch.empty(self._kept(p))
+        base, n = self._offsets[id(p)], self._kept(p) * _F32
+        if n:
+            read_file(self.path, n, base, out=m.view(torch.uint8))
+            read_file(self.path, n, base + n, out=v.view(torch.uint8))
+        return m, v
+
+    def set_gathered(self, moments: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Every rank's moments of each parameter (``id -> (exp_avg, exp_avg_sq)``, whole), for the next
+        :meth:`state_dict` of a sharded optimizer; None drops them."""
+        self._gathered = moments
+
     def state_dict(self) -> dict[str, Any]:
         """torch's AdamW layout: ``step``, ``exp_avg``, ``exp_avg_sq`` per parameter (read from the file for
-        ``disk``)."""
+        ``disk``; gathered from every rank when sharded)."""
         sd = super().state_dict()
-        if self._run_dir is None:
+        if self._run_dir is None and self.spec.owned is None:
             return sd
+        stepped = any("step" in self.state.get(p, {}) for p in self._params())
+        if self.spec.owned is not None and self._gathered is None and stepped:
+            raise RuntimeError(f"{FLAG}: this rank keeps Adam's moments for its share of each parameter only; a "
+                               "checkpoint gathers every rank's first (the plugin wraps Megatron's save_checkpoint "
+                               "to do it)")
         index = {id(p): i for i, p in enumerate(self._params())}
         for p in self._params():
             if "step" not in self.state.get(p, {}):
                 continue
-            m, v = torch.empty_like(p).view(-1), torch.empty_like(p).view(-1)
-            base, n = self._offsets[id(p)], p.numel() * _F32
-            read_file(self.path, n, base, out=m.view(torch.uint8))
-            read_file(self.path, n, base + n, out=v.view(torch.uint8))
+            m, v = self._gathered[id(p)] if self._gathered is not None else self.kept_moments(p)
             sd["state"][index[id(p)]] = {"step": self.state[p]["step"].clone(), "exp_avg": m.view_as(p),
                                          "exp_avg_sq": v.view_as(p)}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's AdamW layout, whole moments per parameter; a sharded optimizer keeps its range of them."""
         super().load_state_dict(state_dict)
         if self._run_dir is None:
+            for p in self._params():
+                state = self.state.get(p, {})
+                if self.spec.owned is not None and "exp_avg" in state:
+                    lo, hi = self._range(p)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = state[key].detach().float().reshape(-1)[lo:hi].clone()
             return
         with self._writer() as write:
             for p in self._params():
                 state = self.state.get(p, {})
-                base = self._offsets[id(p)]
-                for key, at in (("exp_avg", base), ("exp_avg_sq", base + p.numel() * _F32)):
+                base, kept, (lo, hi) = self._offsets[id(p)], self._kept(p), self._range(p)
+                for key, at in (("exp_avg", base), ("exp_avg_sq", base + kept * _F32)):
                     t = state.pop(key, None)
-                    write(torch.zeros(p.numel()) if t is None else t.detach().float().contiguous().view(-1), at)
+                    write(torch.zeros(kept) if t is None else t.detach().float().reshape(-1)[lo:hi].contiguous(), at)
 
     def close(self) -> None:
         """Remove the run directory (``disk``)."""
