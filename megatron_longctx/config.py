@@ -43,6 +43,7 @@ MEGATRON_FLAGS = {
     "recompute_method": "--recompute-method",
     "recompute_num_layers": "--recompute-num-layers",
     "recompute_modules": "--recompute-modules",
+    "distributed_optimizer": "--use-distributed-optimizer",
 }
 
 
@@ -305,11 +306,19 @@ class ModelStateConfig:
                                      "largest layer; at least 2 (one in use, one being filled)"}
     )
 
+    distributed_optimizer: bool = field(
+        default=False, metadata={"help": "Megatron's distributed optimizer with the offload: the off-device optimizer's "
+                                         "states sharded over the data x context parallel ranks, each rank's "
+                                         "updated range all-gathered into every rank's weights after the step"}
+    )
+
     def __post_init__(self) -> None:
         _check_choices(self)
         if isinstance(self.model_state_slots, bool) or not isinstance(self.model_state_slots, int) \
                 or self.model_state_slots < 2:
             raise flag_error("model_state_slots", f"got {self.model_state_slots!r}; give an integer >= 2")
+        if not isinstance(self.distributed_optimizer, bool):
+            raise flag_error("distributed_optimizer", f"got {self.distributed_optimizer!r}; give True or False")
 
     @property
     def enabled(self) -> bool:

@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any
 
 from megatron_longctx.bridge.spec import LongContextLayerSpec, allow_in_run_config
-from megatron_longctx.config import MEGATRON_FLAGS, LongContextConfig
+from megatron_longctx.config import LongContextConfig
 
 PREFIX = "megatron_longctx.bridge"
 # Megatron's recompute fields on a model config, cleared (by the plugin's model_config) when the plugin runs
@@ -49,7 +49,7 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
                          "hybrid_stack_spec; pass a ConfigContainer whose model is a GPT or hybrid model provider "
                          "(GPTModelConfig / HybridModelConfig)")
     options = _with_plugin_recompute(model, longctx_options)
-    moved = any(name in options and name not in longctx_options for name in MEGATRON_FLAGS)
+    moved = any(name in options and name not in longctx_options for name in _MEGATRON_RECOMPUTE)
     if hybrid:
         options = {**_existing_options(model), **options}
         longctx = _config(LongContextLayerSpec(options=options))
@@ -104,7 +104,7 @@ def _with_plugin_recompute(model: Any, options: dict[str, Any]) -> dict[str, Any
     from megatron_longctx.megatron.arguments import plugin_recompute
 
     merged = {**_existing_options(model), **options}
-    if any(name in merged for name in MEGATRON_FLAGS):
+    if any(name in merged for name in _MEGATRON_RECOMPUTE):
         return dict(options)  # the plugin's recompute given explicitly: check_model_config checks the pair
     return {**options, **plugin_recompute(model, merged.get("offload_policy", "none"),
                                           merged.get("recompute_tiles", 0))}

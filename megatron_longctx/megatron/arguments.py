@@ -145,7 +145,33 @@ def config_from_args(args: argparse.Namespace) -> LongContextConfig:
                 value = tuple(item for v in value for item in v.replace(",", " ").split())
             values[f.name] = value
     values.update(plugin_recompute(args, values.get("offload_policy", "none"), values.get("recompute_tiles", 0)))
+    values.update(plugin_distributed_optimizer(args, values.get("model_state_offload", "none")))
     return LongContextConfig.from_flat(values)
+
+
+# set on Megatron's arguments when the plugin takes over --use-distributed-optimizer (cleared there)
+TOOK_DISTRIBUTED_OPTIMIZER = "longctx_took_distributed_optimizer"
+
+
+def plugin_distributed_optimizer(args: argparse.Namespace, model_state_offload: str) -> dict[str, Any]:
+    """``ModelStateConfig.distributed_optimizer``: Megatron's ``--use-distributed-optimizer`` given with
+    ``--longctx-model-state-offload``, whose streamer replaces the buffers Megatron's distributed optimizer
+    shards.  The plugin then shards its off-device optimizer's states itself, and Megatron builds its DDP and
+    its optimizer without the flag (:func:`take_distributed_optimizer`).  ``{}``: not taken."""
+    if model_state_offload == "none":
+        return {}
+    if getattr(args, "use_distributed_optimizer", False) or getattr(args, TOOK_DISTRIBUTED_OPTIMIZER, False):
+        return {"distributed_optimizer": True}
+    return {}
+
+
+def take_distributed_optimizer(args: argparse.Namespace, cfg: LongContextConfig) -> None:
+    """Clear Megatron's ``--use-distributed-optimizer`` where the plugin runs it (:func:`plugin_distributed_optimizer`),
+    before Megatron validates and uses its arguments: its DDP, optimizer and checkpoints are then the
+    non-distributed ones, over which the off-device optimizer shards its states."""
+    if cfg.model_states.distributed_optimizer and getattr(args, "use_distributed_optimizer", False):
+        args.use_distributed_optimizer = False
+        setattr(args, TOOK_DISTRIBUTED_OPTIMIZER, True)
 
 
 # Megatron's selective-recompute modules whose own implementation fails without Transformer Engine:
@@ -230,6 +256,7 @@ def check_after_parsing(args: argparse.Namespace) -> LongContextConfig:
     check_window(getattr(args, "window_size", None), getattr(args, "seq_length", None))
     if cfg.model_states.enabled:
         _check_model_states(args, cfg)
+        take_distributed_optimizer(args, cfg)
     return cfg
 
 
@@ -241,6 +268,7 @@ def _check_model_states(args: argparse.Namespace, cfg: LongContextConfig) -> Non
     from megatron_longctx.memory.offload_disk import default_root
 
     model_states.check_megatron_offload(vars(args))
+    model_states.check_ddp_overlap(vars(args))
     if cfg.model_states.model_state_offload == "disk":
         model_states.check_disk_step(vars(args))
         model_states.check_disk_dir(default_root(SimpleNamespace(offload_disk_dir=cfg.memory.offload_disk_dir,

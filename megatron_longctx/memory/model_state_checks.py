@@ -21,6 +21,20 @@ def check_megatron_offload(values: dict, fix_prefix: str = "--") -> None:
                          f"(megatron-longctx's --longctx-offload-policy offloads activations), or drop {FLAG}")
 
 
+# Megatron's DDP flags whose work the streamer does per unit itself (its reduction as each unit's backward ends)
+DDP_OVERLAP = ("overlap_grad_reduce", "overlap_param_gather", "ddp_average_in_collective")
+
+
+def check_ddp_overlap(values: dict, fix_prefix: str = "--") -> None:
+    """Refuse Megatron's overlapped gradient reduction and parameter gather beside model-state offload: the
+    streamer sums each unit's gradients as its backward ends, and gathers the updated weights after the step."""
+    on = [n for n in DDP_OVERLAP if values.get(n)]
+    if on:
+        given = ", ".join(fix_prefix + n.replace("_", "-") if fix_prefix == "--" else fix_prefix + n for n in on)
+        raise ValueError(f"{FLAG}: the streamer reduces each layer's gradients as its backward ends and gathers the "
+                         f"updated weights after the step; drop {given}")
+
+
 def check_disk_step(values: dict) -> None:
     """What the ``disk`` target's unit-by-unit optimizer step serves: float32 parameters, or bf16 ones with
     their float32 masters on disk and no loss scaling (fp16's, or ``--loss-scale``, would check and unscale

@@ -19,6 +19,7 @@ import torch
 
 from megatron_longctx.config import LongContextConfig
 from megatron_longctx.megatron.features.base import Installed
+from megatron_longctx.memory.model_state_shards import Shards
 from megatron_longctx.memory.model_state_store import is_placeholder, placeholder
 from megatron_longctx.memory.model_states import FLAG, ModelStateStreamer
 from megatron_longctx.patching import patch
@@ -37,24 +38,38 @@ class MastersOnDisk(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: LongContextConfig) -> Callable[[Any], Any]:
+def optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: LongContextConfig,
+                    shards: Optional[Shards] = None) -> Callable[[Any], Any]:
     """For ``disk``: Adam's moments live on disk too (:mod:`megatron_longctx.megatron.offdevice_optimizer`),
     and the step brings one unit at a time onto the host: its gradients for the gradient norm and for the
     moments, then its weights for the update, written back (:func:`_streamed_clipping`); Megatron's checkpoint
     save and load see every unit's weights and gradients read back (:func:`_materialized`).  ``host``:
-    nothing to add (the parameters and ``main_grad`` are views of the host copies, stepped in place)."""
-    if streamer.opts.target != "disk":
+    nothing to add (the parameters and ``main_grad`` are views of the host copies, stepped in place).
+
+    With ``shards`` (Megatron's distributed optimizer, :mod:`megatron_longctx.memory.model_state_shards`) the
+    off-device AdamW keeps moments for this rank's range of each unit and updates only that range (``host``
+    too); after each step every unit's weights are all-gathered whole, and a checkpoint save first gathers
+    the moments and the float32 masters (:func:`_gathered_for_save`)."""
+    if streamer.opts.target != "disk" and shards is None:
         return lambda optimizer: optimizer
     from megatron_longctx.megatron import offdevice_optimizer
     from megatron_longctx.memory.offdevice_optimizer import OffDeviceSpec
 
+    disk = streamer.opts.target == "disk"
     why = f"{FLAG} disk: the weights are read back from their files for this call"
-    for module in _checkpointing_modules():
+    for module in _checkpointing_modules() if disk else ():
         for name, store in (("save_checkpoint", False), ("load_checkpoint", True)):  # a save changes no weight
             installed.patches.append(patch(module, name, _around(getattr(module, name), streamer, store),
                                            reason=why).undo)
 
     def wire(optimizer: Any) -> Any:
+        if not disk:  # host, sharded: the off-device AdamW over Megatron's parameters, its range of each
+            assert shards is not None
+            spec = OffDeviceSpec(target="host", pool=streamer.opts.pool, owned=_owned(streamer, shards))
+            moved = offdevice_optimizer.install(optimizer, spec)
+            installed.patches.append(moved.remove)
+            installed.patches.extend(_sharded_step(optimizer, moved.optimizers, streamer, shards))
+            return optimizer
         wrappers = offdevice_optimizer.megatron_optimizers(optimizer)
         source = _ClippedSource(streamer)
         for wrapper in wrappers:
@@ -67,13 +82,92 @@ def optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: Lon
                                  f"loss scaling; this run's optimizer is {kind}"
                                  f"{' with a loss scaler' if mixed else ''}: drop --fp16 and --loss-scale, or use "
                                  f"{FLAG} host")
-        spec = OffDeviceSpec(target="disk", pool=streamer.opts.pool, disk_dir=streamer.opts.disk_dir, source=source)
+        spec = OffDeviceSpec(target="disk", pool=streamer.opts.pool, disk_dir=streamer.opts.disk_dir, source=source,
+                             owned=None if shards is None else _owned(streamer, shards))
         moved = offdevice_optimizer.install(optimizer, spec)
         installed.patches.append(moved.remove)
         installed.patches.extend(_streamed_clipping(wrappers, source))
+        if shards is not None:
+            installed.patches.extend(_sharded_step(optimizer, moved.optimizers, streamer, shards))
         return optimizer
 
     return wire
+
+
+def _owned(streamer: ModelStateStreamer, shards: Shards) -> dict[int, tuple[int, int]]:
+    """``id -> [lo, hi)``: this rank's range of each streamed parameter, under its own id and its float32
+    master's (what Megatron's mixed-precision optimizer steps)."""
+    owned = {}
+    for u in streamer.units:
+        for k, p in enumerate(u.params):
+            owned[id(p.param)] = shards.owned(u.index, k)
+            main = getattr(p.param, "main_param", None)
+            if main is not None:
+                owned[id(main)] = owned[id(p.param)]
+    return owned
+
+
+def _sharded_step(optimizer: Any, inner: list, streamer: ModelStateStreamer, shards: Shards) -> list[Callable[[], None]]:
+    """The distributed optimizer's other half: after Megatron's step (which updated this rank's range of every
+    unit), every unit's weights are all-gathered whole off the device; Megatron's checkpoint save first gathers
+    every rank's moments and float32 masters (:func:`_gathered_for_save`)."""
+    step = optimizer.step
+
+    def sharded_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        streamer.gather_weights(shards)
+        return out
+
+    undo = [patch(optimizer, "step", sharded_step,
+                  reason=f"{FLAG} with the distributed optimizer: each rank's updated range gathered").undo]
+    for module in _checkpointing_modules():
+        save = getattr(module, "save_checkpoint")
+
+        def gathered_save(*args: Any, save: Any = save, **kwargs: Any) -> Any:
+            with _gathered_for_save(inner, streamer, shards):
+                return save(*args, **kwargs)
+
+        undo.append(patch(module, "save_checkpoint", gathered_save,
+                          reason=f"{FLAG} with the distributed optimizer: a save holds every rank's states").undo)
+    return undo
+
+
+@contextlib.contextmanager
+def _gathered_for_save(inner: list, streamer: ModelStateStreamer, shards: Shards) -> Any:
+    """For one checkpoint save (every rank calls it): each sharded AdamW's moments whole, gathered unit by unit
+    from every rank's range, and the float32 masters whole (Megatron's own on the host, the files on disk)."""
+    owner = {id(p): opt for opt in inner for g in opt.param_groups for p in g["params"]}
+    whole: dict[int, dict] = {id(opt): {} for opt in inner}
+    for u in streamer.units:
+        # what the optimizer steps: the float32 master where Megatron made one, else the parameter itself
+        targets = [p.param.main_param if id(getattr(p.param, "main_param", None)) in owner else p.param
+                   for p in u.params]
+        moments: list = [None] * len(targets)
+        for k, t in enumerate(targets):
+            opt = owner.get(id(t))
+            if opt is not None:
+                lo, hi = shards.owned(u.index, k)
+                m, v = torch.zeros(t.numel()), torch.zeros(t.numel())
+                kept_m, kept_v = opt.kept_moments(t)
+                m[lo:hi], v[lo:hi] = kept_m, kept_v
+                moments[k] = (m, v)
+        for i in (0, 1):
+            shards.gather(u.index, [None if mv is None else mv[i] for mv in moments])
+        for t, mv in zip(targets, moments):
+            if mv is not None:
+                whole[id(owner[id(t)])][id(t)] = mv
+        if streamer.opts.target == "host":
+            mains = [getattr(p.param, "main_param", None) for p in u.params]
+            shards.gather(u.index, mains)
+    if streamer.opts.target == "disk":
+        streamer.gather_masters(shards)
+    for opt in inner:
+        opt.set_gathered(whole[id(opt)])
+    try:
+        yield
+    finally:
+        for opt in inner:
+            opt.set_gathered(None)
 
 
 def _checkpointing_modules() -> list:

@@ -39,6 +39,7 @@ from megatron_longctx.megatron.features.base import Built, Feature, Installed, u
 from megatron_longctx.megatron.features.model_state_step import MastersOnDisk, optimizer_hooks
 from megatron_longctx.memory.host_pool import HostPool
 from megatron_longctx.memory.offload_disk import RunDir, default_root
+from megatron_longctx.memory.model_state_shards import Shards
 from megatron_longctx.memory.model_state_store import stash_weights
 from megatron_longctx.memory.model_states import FLAG, ModelStateError, ModelStateStreamer, StreamOptions
 from megatron_longctx.patching import patch
@@ -174,8 +175,11 @@ class ModelStatesFeature(Feature):
         grad_dtype, group, scale = torch.float32, None, 1.0
         if ddp is not None:
             if getattr(ddp.ddp_config, "use_distributed_optimizer", False):
-                raise ValueError(f"{FLAG}: the distributed optimizer shards DDP's buffers the streamer replaces; "
-                                 "drop --use-distributed-optimizer")
+                raise ValueError(f"{FLAG}: Megatron's distributed optimizer shards DDP's buffers, which the streamer "
+                                 "replaces; build DDP and the optimizer without it and give the plugin "
+                                 "ModelStateConfig(distributed_optimizer=True), which shards the off-device "
+                                 "optimizer's states (the launcher and megatron-longctx run do so for "
+                                 "--use-distributed-optimizer)")
             if getattr(ddp.ddp_config, "overlap_grad_reduce", False) or getattr(ddp.ddp_config, "average_in_collective", False):
                 raise ValueError(f"{FLAG}: the streamer reduces each unit's gradients itself; drop "
                                  "--overlap-grad-reduce and --ddp-average-in-collective")
@@ -200,12 +204,17 @@ class ModelStatesFeature(Feature):
                              slots=ms.model_state_slots, grad_dtype=grad_dtype, accumulate_grad=True,
                              reduce_group=group, grad_scale=scale, host_grad_units=shared, masters=masters)
         streamer = ModelStateStreamer(units, opts)
+        shards = None
+        if ms.distributed_optimizer and group is not None and torch.distributed.get_world_size(group) > 1:
+            shards = Shards([[p.param.numel() for p in u.params] for u in streamer.units], group, opts.device)
         patches: list[Callable[[], None]] = []
         if ddp is not None:
             patches.extend(_wire_ddp(ddp, streamer))
         where = ("host (pinned pool)" if pool.pin else "host") if opts.target == "host" else f"disk ({streamer.run_dir.path})"
         description = (f"weights and gradients streamed per layer through {len(streamer.wslots)} slots of "
                        f"{streamer.slot_bytes / 2**20:.2f} MiB; off-device copy in {where}")
+        if shards is not None:
+            description += f"; optimizer states sharded over {shards.world} data x context parallel ranks"
 
         def stats() -> dict[str, int]:
             return {"model_state_loads": streamer.loads, "model_state_grad_flushes": streamer.grad_flushes,
@@ -213,6 +222,7 @@ class ModelStatesFeature(Feature):
 
         installed = Installed(patches=patches, description=description, stats=stats, close=streamer.remove)
         installed.streamer = streamer  # type: ignore[attr-defined]
+        installed.shards = shards  # type: ignore[attr-defined]
         return installed
 
     @contextlib.contextmanager
@@ -233,7 +243,7 @@ class ModelStatesFeature(Feature):
         return MastersOnDisk() if installed.streamer.opts.masters else contextlib.nullcontext()
 
     def wire_optimizer(self, installed: Installed, optimizer: Any, cfg: LongContextConfig) -> Any:
-        return optimizer_hooks(installed, installed.streamer, cfg)(optimizer)
+        return optimizer_hooks(installed, installed.streamer, cfg, installed.shards)(optimizer)
 
     def defer(self, model: Any, cfg: LongContextConfig, who: str, line: Optional[str]) -> None:
         """Install when the training loop builds the optimizer over the DDP-wrapped ``model`` (the next
