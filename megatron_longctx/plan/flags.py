@@ -133,6 +133,8 @@ def megatron_flags(plan: Plan) -> list[str]:
     if opt.fsdp:  # Megatron-FSDP shards weights, grads and optimizer (ZeRO-3)
         argv += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
                  "--overlap-grad-reduce", "--overlap-param-gather"]
+    elif opt.model_state_offload:  # the streamer reduces each layer's gradients itself, as its backward ends
+        argv += ["--use-distributed-optimizer", "--no-gradient-accumulation-fusion"]
     else:
         argv += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     if opt.fp8:

@@ -21,11 +21,11 @@ Hardware = Any  # .timing.Hardware (timing builds on this module): host_gbps, li
 
 
 
-def disk_step_bytes_per_param(grad_bytes: int) -> int:
+def disk_step_bytes_per_param(grad_bytes: int, optimizer_shards: int = 1) -> float:
     """NVMe bytes one ``disk`` optimizer step moves per parameter: the gradients read twice (the norm, then
-    the moments), the moments read, written and read back, the masters read and written, and the bf16 weights
-    written (rounded from the masters, so never read)."""
-    return 2 * grad_bytes + 3 * MOMENT_BYTES + 2 * MASTER_BYTES + WEIGHT_BYTES
+    the moments), the moments (this rank's share of them) read, written and read back, the masters read and
+    written, and the bf16 weights written (rounded from the masters, so never read)."""
+    return 2 * grad_bytes + 3 * MOMENT_BYTES / optimizer_shards + 2 * MASTER_BYTES + WEIGHT_BYTES
 
 # The off-device AdamW's staging (memory.offdevice_optimizer): 4M-element fp32 chunks; the denominator, and
 # the two moments read from disk.
@@ -44,6 +44,9 @@ class StateOffload:
     total_params: float  # all the stage's parameters on this GPU (layers, embeddings, norms)
     largest_unit: float  # the largest streamed block (a layer or an embedding matrix)
     grad_bytes: int  # bytes of a main gradient element (4 fp32, 2 bf16)
+    # ranks Adam's moments are sharded over (Megatron's --use-distributed-optimizer, which the plugin runs over
+    # the streamed states: data x context parallel); the fp32 masters stay whole on each rank
+    optimizer_shards: int = 1
 
     @property
     def weights_in(self) -> float:
@@ -65,7 +68,8 @@ class StateOffload:
         p, unit = self.total_params, self.largest_unit
         if self.target == "host":
             return {"bf16 weights": WEIGHT_BYTES * p, "fp32 master weights": MASTER_BYTES * p,
-                    "Adam moments": MOMENT_BYTES * p, "main grads (accumulated)": self.grad_bytes * p}
+                    "Adam moments": MOMENT_BYTES * p / self.optimizer_shards,
+                    "main grads (accumulated)": self.grad_bytes * p}
         # disk: the pinned buffers one unit's states pass through on their way to and from NVMe
         return {"one unit's staging": max(WEIGHT_BYTES, self.grad_bytes) * unit,
                 "next unit's weights (read-ahead)": WEIGHT_BYTES * unit,
@@ -77,8 +81,8 @@ class StateOffload:
             return {}
         p = self.total_params
         return {"bf16 weights": WEIGHT_BYTES * p, "fp32 master weights": MASTER_BYTES * p,
-                "main grads (accumulated)": self.grad_bytes * p, "Adam moments": MOMENT_BYTES * p,
-                "moments being written (step)": MOMENT_BYTES * p}
+                "main grads (accumulated)": self.grad_bytes * p, "Adam moments": MOMENT_BYTES * p / self.optimizer_shards,
+                "moments being written (step)": MOMENT_BYTES * p / self.optimizer_shards}
 
     @property
     def pinned(self) -> float:
@@ -115,11 +119,19 @@ class StateOffload:
         return (2 * WEIGHT_BYTES * self.other_params + self.grad_bytes * self.other_params) / rate
 
     def optimizer_step_s(self, hw: Hardware) -> float:
-        """Once a step: the CPU AdamW, and for ``disk`` its NVMe traffic (:func:`disk_step_bytes_per_param`)."""
-        cpu = self.total_params / HOST_ADAM_PARAMS_PER_S
+        """Once a step: the CPU AdamW over this rank's share, for ``disk`` its NVMe traffic
+        (:func:`disk_step_bytes_per_param`), and with sharded moments the all-gather of the updated weights
+        (every unit through the GPU and back; for ``disk`` its file read and written again)."""
+        cpu = self.total_params / self.optimizer_shards / HOST_ADAM_PARAMS_PER_S
+        gather = 0.0
+        if self.optimizer_shards > 1:
+            gather = 2 * WEIGHT_BYTES * self.total_params / (hw.host_gbps * 1e9 * hw.link_efficiency)
+            if self.target == "disk":
+                gather += 2 * WEIGHT_BYTES * self.total_params / (hw.nvme_gbps * 1e9)
         if self.target != "disk":
-            return cpu
-        return cpu + disk_step_bytes_per_param(self.grad_bytes) * self.total_params / (hw.nvme_gbps * 1e9)
+            return cpu + gather
+        nvme = disk_step_bytes_per_param(self.grad_bytes, self.optimizer_shards) * self.total_params
+        return cpu + gather + nvme / (hw.nvme_gbps * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,4 +166,4 @@ def state_offload(m: ModelShape, par: Parallel, opt: MemoryOptions, stage: str =
     per_layer = (pc.attention + (pc.dense_mlp if m.num_experts is None else pc.moe_routed / par.ep)) / par.tp
     per_layer += pc.norms
     return StateOffload(opt.model_state_offload, sp.layers, per_layer, sp.total, sp.largest_unit,
-                        4 if opt.main_grads_dtype == "fp32" else 2)
+                        4 if opt.main_grads_dtype == "fp32" else 2, optimizer_shards=par.dp * par.cp)

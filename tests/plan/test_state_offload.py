@@ -138,3 +138,31 @@ def test_bad_targets_are_refused_with_the_flag():
     with pytest.raises(ValueError, match="--megatron-fsdp"):
         Constraints(model_state_offload="host", fsdp=True)
     assert dataclasses.replace(Constraints(), model_state_offload="disk").model_state_offload == "disk"
+
+
+def test_the_printed_flags_of_a_sharded_plan_pass_the_launchers_checks_and_shard_the_moments():
+    """At DP x CP > 1 the plan prints Megatron's --use-distributed-optimizer beside the offload (not Megatron's
+    overlapped reduction, which the streamer does per layer): the launcher's checks before start accept the
+    command line, the plugin takes the flag over, and the host holds each rank's share of Adam's moments."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_longctx.job.command_line import check_flags
+    from megatron_longctx.megatron.arguments import add_longctx_args, check_after_parsing
+
+    opt = MemoryOptions(model_state_offload="host", recompute="full", offload="checkpoint", recompute_tiles=32,
+                        tiled_loss_tiles=128)
+    par = Parallel(cp=2, dp=4, cp_comm_type="all_gather")
+    plan = evaluate(LLAMA8, 1 << 20, 8, H200, par, opt)
+    argv = [str(a) for a in megatron_flags(plan) + longctx_flags(plan)]
+    assert "--use-distributed-optimizer" in argv and "--overlap-grad-reduce" not in argv
+    check_flags(argv)
+    args, _ = add_longctx_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))).parse_known_args(argv)
+    cfg = check_after_parsing(args)
+    assert cfg.model_states.distributed_optimizer and not args.use_distributed_optimizer  # the plugin runs it
+    sharded, whole = state_offload(LLAMA8, par, opt), state_offload(LLAMA8, Parallel(), opt)
+    assert sharded.host_parts()["Adam moments"] == pytest.approx(whole.host_parts()["Adam moments"] / 8)
+    refused = [*argv, "--overlap-grad-reduce"]
+    with pytest.raises(ValueError, match="--longctx-model-state-offload: .*drop --overlap-grad-reduce"):
+        check_flags(refused)
