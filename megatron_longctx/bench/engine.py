@@ -112,7 +112,8 @@ class OptimConfig:
     adam_beta2: float = 0.95
     clip_grad: float = 0.0
     # Megatron's distributed optimizer (--use-distributed-optimizer): Adam's moments sharded over DP x CP,
-    # the gradients reduce-scattered and the updated weights all-gathered; not with model-state offload
+    # the gradients reduce-scattered and the updated weights all-gathered; with model-state offload the plugin
+    # runs it over the streamed states (ModelStateConfig.distributed_optimizer)
     distributed: bool = False
 
 
@@ -345,7 +346,15 @@ class Trainer:
         from megatron_longctx.config import LongContextConfig
         from megatron_longctx.megatron.plugin import LongContextPlugin
 
-        return LongContextPlugin(LongContextConfig.from_flat(self.variant.options()))
+        options = self.variant.options()
+        if self.optim_cfg.distributed and options.get("model_state_offload", "none") != "none":
+            options["distributed_optimizer"] = True  # the plugin shards its off-device optimizer
+        return LongContextPlugin(LongContextConfig.from_flat(options))
+
+    @property
+    def _megatron_distributed(self) -> bool:
+        """Megatron's own distributed optimizer: unless the plugin runs it over streamed model states."""
+        return self.optim_cfg.distributed and not (self.plugin is not None and self.plugin.cfg.model_states.enabled)
 
     def _install_memory(self) -> Any:
         plugin = self.plugin
@@ -372,7 +381,7 @@ class Trainer:
 
             module = Float16Module(self.config, self.model)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=self.optim_cfg.distributed)
+                                                   use_distributed_optimizer=self._megatron_distributed)
         with self.plugin.wrapping_ddp(self.model) if self.plugin is not None else contextlib.nullcontext():
             ddp = DistributedDataParallel(self.config, ddp_config, module)
         self.config.no_sync_func = ddp.no_sync
@@ -385,7 +394,7 @@ class Trainer:
         o = self.optim_cfg
         cfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                               adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=self.shape.bf16,
-                              fp16=False, use_distributed_optimizer=o.distributed)
+                              fp16=False, use_distributed_optimizer=self._megatron_distributed)
         building = self.model_states.building_optimizer() if self.model_states is not None else contextlib.nullcontext()
         with building:
             return get_megatron_optimizer(cfg, [self.ddp])

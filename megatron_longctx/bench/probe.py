@@ -56,11 +56,13 @@ def model_flops_per_step(shape: GPTShape, tokens: int) -> float:
 
 def optimizer_of(task: dict[str, Any], config: Any) -> str:
     """Which optimizer a point trains with: ``distributed`` (Megatron's, the task's ``distributed_optimizer``),
-    ``off-device`` (a model-state row's: its streamer steps Adam off the device, and Megatron's distributed
-    optimizer does not compose with it) or ``whole`` (Megatron's, every rank holding all of Adam's moments)."""
+    ``whole`` (Megatron's, every rank holding all of Adam's moments), or for a model-state row the off-device
+    AdamW its streamer steps: ``off-device sharded`` (the task's ``distributed_optimizer``, which the plugin runs
+    over the streamed states: each rank's share of the moments) or ``off-device``."""
+    sharded = task.get("distributed_optimizer", False)
     if streams_model_states(config):
-        return "off-device"
-    return "distributed" if task.get("distributed_optimizer", False) else "whole"
+        return "off-device sharded" if sharded else "off-device"
+    return "distributed" if sharded else "whole"
 
 
 def _cap_gpu_memory(budget_bytes: int) -> None:
@@ -84,8 +86,8 @@ def measure_point(task: dict[str, Any], config_name: str, seq_length: int, datas
         torch.cuda.empty_cache()
         _cap_gpu_memory(budget)
     optimizer = optimizer_of(task, configs[config_name])
-    trainer = Trainer(shape, variant, OptimConfig(lr=task["lr"], distributed=optimizer == "distributed"), gbs,
-                      task["seed"])
+    sharded = optimizer in ("distributed", "off-device sharded")
+    trainer = Trainer(shape, variant, OptimConfig(lr=task["lr"], distributed=sharded), gbs, task["seed"])
     live = None
     if task.get("trace_live"):  # what the step's peak is made of (bench.live_memory)
         from megatron_longctx.bench.live_memory import LiveTensors

@@ -82,8 +82,8 @@ def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
 def _optimizer_line(meta: dict[str, Any]) -> str:
     if not meta.get("distributed_optimizer"):  # an older bench.json did not say: it was this
         return "Megatron's optimizer, all of Adam's moments on every rank"
-    return ("Megatron's distributed optimizer (Adam's moments sharded over the ranks) on every row but the "
-            "model-state ones, whose Adam is off the device")
+    return ("Megatron's distributed optimizer (Adam's moments sharded over the ranks) on every row; the "
+            "model-state rows' Adam is off the device, its moments sharded the same way")
 
 
 def markdown(result: dict[str, Any]) -> str:

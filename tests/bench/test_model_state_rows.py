@@ -50,6 +50,23 @@ def test_the_budget_counts_the_model_states_and_disk_takes_them_out(tmp_path):
                                    torch.tensor(by[WITHOUT][key], dtype=torch.float64), rtol=1e-6, atol=0)
 
 
+def test_with_the_distributed_optimizer_the_streamed_row_shards_its_off_device_adamw(tmp_path):
+    """The benchmark's default: Megatron's distributed optimizer on every row.  On the streamed row the plugin
+    runs it (each rank keeps its share of Adam's moments off the device), and it trains as the row without the
+    streaming, whose moments Megatron's distributed optimizer shards."""
+    task = {"cp": 2, "shape": SHAPE, "seed": 1, "lr": 1e-3, "warmup": 0, "steps": 2, "global_batch_size": 2,
+            "budget_bytes": None, "data_dir": str(tmp_path / "data"), "configs": [WITHOUT, DISK],
+            "seq_lengths": [256], "distributed_optimizer": True}
+    rc, output, records = regression.run_probe_job(task, 2, 300)
+    assert rc == 0, output[-3000:]
+    by = {r["config"]: r for r in records}
+    assert [by[c]["optimizer"] for c in (WITHOUT, DISK)] == ["distributed", "off-device sharded"], records
+    assert "optimizer states sharded over 2 data x context parallel ranks" in by[DISK]["model_states"]["description"]
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(torch.tensor(by[DISK][key], dtype=torch.float64),
+                                   torch.tensor(by[WITHOUT][key], dtype=torch.float64), rtol=1e-6, atol=0)
+
+
 def test_the_rows_and_where_they_run():
     rows = model_state_configs(2)
     assert [c.name for c in rows] == [f"{base}+states-{target}" for target in ("disk", "host")
