@@ -48,6 +48,9 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
         raise ValueError(f"{PREFIX}.configure: {type(model).__name__} has neither transformer_layer_spec nor "
                          "hybrid_stack_spec; pass a ConfigContainer whose model is a GPT or hybrid model provider "
                          "(GPTModelConfig / HybridModelConfig)")
+    takes = _takes_distributed_optimizer(cfg, {**_existing_options(model), **longctx_options})
+    if takes:  # the plugin runs it over the streamed states; Bridge builds DDP and its optimizer without it
+        longctx_options = {**longctx_options, "distributed_optimizer": True}
     options = _with_plugin_recompute(model, longctx_options)
     moved = any(name in options and name not in longctx_options for name in _MEGATRON_RECOMPUTE)
     if hybrid:
@@ -69,11 +72,23 @@ def configure(cfg: Any, **longctx_options: Any) -> Any:
         for name in _MEGATRON_RECOMPUTE:
             if hasattr(model, name):
                 setattr(model, name, getattr(cleared, name))
+    if takes:
+        cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = False
     setattr(model, field, value)
     if not hybrid:
         allow_in_run_config()  # this run writes it to run_config.yaml; a resume calls configure again
     _register_pre_wrap_hook(model, LongContextModelHook(options=options))
     return cfg
+
+
+def _takes_distributed_optimizer(cfg: Any, options: dict) -> bool:
+    """Bridge's distributed optimizer (``ddp`` / ``optimizer.use_distributed_optimizer``) beside
+    ``model_state_offload``: its DDP buffers are the ones the streamer replaces, so the plugin runs it instead,
+    sharding its off-device optimizer's states over the data x context parallel ranks."""
+    if options.get("model_state_offload", "none") == "none":
+        return False
+    return any(getattr(getattr(cfg, section, None), "use_distributed_optimizer", False)
+               for section in ("ddp", "optimizer"))
 
 
 def _hybrid_stack_spec(model: Any, longctx: LongContextConfig) -> Any:
@@ -176,7 +191,8 @@ def check_model_config(model: Any, longctx: LongContextConfig, recompute_moved: 
 
 def check_model_state_training(cfg: Any, longctx: LongContextConfig) -> None:
     """The training settings of a ``ConfigContainer`` the model-state offload refuses, each named with its fix
-    (the streamer reduces each layer's gradients itself, over buffers the distributed optimizer would shard);
+    (the streamer reduces each layer's gradients itself, and gathers the weights the distributed optimizer
+    updated after the step);
     for ``disk``, a float32 optimizer and a directory the files can be written to."""
     if longctx.model_states.model_state_offload == "disk":
         from megatron_longctx.megatron.features.model_states import check_disk_dir
@@ -192,9 +208,8 @@ def check_model_state_training(cfg: Any, longctx: LongContextConfig) -> None:
             check_disk_dir(longctx)
         except ValueError as err:
             raise ValueError(f"{PREFIX}: {err}") from None
-    for section, name, fix in (("ddp", "use_distributed_optimizer", "false"),
-                               ("optimizer", "use_distributed_optimizer", "false"),
-                               ("ddp", "overlap_grad_reduce", "false"),
+    for section, name, fix in (("ddp", "overlap_grad_reduce", "false"),
+                               ("ddp", "overlap_param_gather", "false"),
                                ("ddp", "average_in_collective", "false")):
         if getattr(getattr(cfg, section, None), name, False):
             raise ValueError(f"{PREFIX}: model_state_offload streams each layer's weights and reduces its gradients "

@@ -52,13 +52,14 @@ def tiny_recipe(cp: int):
 
 
 def _train(cp: int, steps: int = STEPS, save_at: int | None = None, save: str | None = None, resume: str | None = None,
-           clip_grad: float | None = None, **longctx) -> list[float]:
+           clip_grad: float | None = None, distributed_optimizer: bool = False, **longctx) -> list[float]:
     """Rank body: Bridge's pretrain() of the tiny recipe; the global loss of each step (mean over its tokens).
 
     ``save_at``: stop after that step and save to ``save`` (Bridge's ``train.exit_interval``; the run is otherwise
     the ``steps`` run: the same schedule and data).  ``resume``: a checkpoint directory whose
     last iteration's ``run_config.yaml`` gives the layer spec (our spec object and options), trained on to ``steps``.
-    ``clip_grad``: the optimizer's (None: the recipe's, 1.0)."""
+    ``clip_grad``: the optimizer's (None: the recipe's, 1.0).  ``distributed_optimizer``: the recipe's
+    ``ddp`` and ``optimizer.use_distributed_optimizer``."""
     import_bridge()
     import torch
     import torch.distributed as dist
@@ -90,7 +91,10 @@ def _train(cp: int, steps: int = STEPS, save_at: int | None = None, save: str | 
         cfg.optimizer.clip_grad = clip_grad
     cfg.train.train_iters, cfg.train.exit_interval = steps, save_at
     cfg.checkpoint.save = save
+    cfg.ddp.use_distributed_optimizer = cfg.optimizer.use_distributed_optimizer = distributed_optimizer
     cfg = configure(cfg, **longctx)
+    if longctx.get("model_state_offload", "none") != "none":  # the plugin runs it over the streamed states
+        assert not cfg.ddp.use_distributed_optimizer and not cfg.optimizer.use_distributed_optimizer
     if longctx.get("model_state_offload") == "disk":
         cfg.model.register_pre_wrap_hook(_layers_built_into_files)
     with cpu_compat.enabled():
@@ -193,6 +197,24 @@ def test_model_state_offload_disk_equals_host_and_resumes_bit_for_bit(tmp_path):
     resumed, again = run_ranks(2, _train, 2, 4, resume=str(tmp_path / "ckpt"), clip_grad=0.0)
     assert first == straight[:2]
     assert resumed == again == straight[2:]
+
+
+@pytest.mark.parametrize("target", ["host", "disk"])
+def test_model_state_offload_with_the_distributed_optimizer(target, tmp_path):
+    """The recipe's distributed optimizer beside the offload: configure hands it to the plugin, which keeps each
+    rank's half of Adam's moments (CP=2: two data x context parallel ranks) and gathers the updated halves.
+    Four steps equal the same run without it to the bit, and two saved and two resumed continue them."""
+    options = {"cp_algorithm": "ring", "model_state_offload": target}
+    if target == "disk":
+        options["offload_disk_dir"] = str(tmp_path / "states")
+    whole, _ = run_ranks(2, _train, 2, 4, clip_grad=0.0, **options)
+    sharded, _ = run_ranks(2, _train, 2, 4, clip_grad=0.0, distributed_optimizer=True, **options)
+    assert sharded == whole
+    first, _ = run_ranks(2, _train, 2, 4, save_at=2, save=str(tmp_path / "ckpt"), clip_grad=0.0,
+                         distributed_optimizer=True, **options)
+    resumed, again = run_ranks(2, _train, 2, 4, resume=str(tmp_path / "ckpt"), clip_grad=0.0)
+    assert first == whole[:2]
+    assert resumed == again == whole[2:]
 
 
 def test_save_and_resume_from_run_config_continue_bit_for_bit(tmp_path):

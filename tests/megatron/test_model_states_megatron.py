@@ -413,12 +413,12 @@ def test_bridge_checks_and_training_loops_defer(tmp_path) -> None:
     fused.config = types.SimpleNamespace(gradient_accumulation_fusion=True)  # Megatron's, with apex's kernel
     with pytest.raises(ValueError, match=r"--longctx-model-state-offload: .*add --no-gradient-accumulation-fusion"):
         FEATURE.install(Built.of(fused), host)
-    recipe = types.SimpleNamespace(ddp=types.SimpleNamespace(use_distributed_optimizer=True),
+    recipe = types.SimpleNamespace(ddp=types.SimpleNamespace(overlap_grad_reduce=True),
                                    optimizer=types.SimpleNamespace(use_distributed_optimizer=True))
-    with pytest.raises(ValueError, match=r"ddp.use_distributed_optimizer=True.*set ddp.use_distributed_optimizer=false"):
+    with pytest.raises(ValueError, match=r"ddp.overlap_grad_reduce=True.*set ddp.overlap_grad_reduce=false"):
         check_model_state_training(recipe, host)
-    recipe.ddp.use_distributed_optimizer = recipe.optimizer.use_distributed_optimizer = False
-    check_model_state_training(recipe, host)
+    recipe.ddp.overlap_grad_reduce = False
+    check_model_state_training(recipe, host)  # the distributed optimizer: the plugin runs it (configure)
 
     bridge_optim = types.ModuleType(BRIDGE_OPTIMIZER_MODULES[0])  # Bridge's module, as its loop imports it
     bridge_optim.get_megatron_optimizer = bridge_original = lambda *a, **k: None
