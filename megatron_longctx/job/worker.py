@@ -286,7 +286,7 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
 
     from megatron_longctx.megatron import cpu_compat
     from megatron_longctx.job import mix, providers
-    from megatron_longctx.megatron.arguments import add_longctx_args
+    from megatron_longctx.megatron.arguments import add_longctx_args_taking_flags
 
     sys.argv = [sys.argv[0], *argv]
     log = StepLog(settings)
@@ -299,7 +299,7 @@ def _run(argv: list[str], settings: dict[str, Any]) -> int:
         saved.append(replace_train(settings["evaluate"]))
     try:
         with cpu_compat.enabled():
-            args = parse_and_validate_args(extra_args_provider=add_longctx_args)
+            args = parse_and_validate_args(extra_args_provider=add_longctx_args_taking_flags)
             full_config = pretrain_cfg_container_from_args(args)  # no model config: our model_provider builds it
             training.pretrain(full_config, providers.train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
                               providers.forward_step, model_provider=providers.model_provider)

@@ -165,6 +165,22 @@ def plugin_distributed_optimizer(args: argparse.Namespace, model_state_offload: 
     return {}
 
 
+def add_longctx_args_taking_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """:func:`add_longctx_args`, with a parse that hands the plugin the Megatron flags it runs itself
+    (:func:`take_distributed_optimizer`) before Megatron validates them: the ``extra_args_provider`` of a rank
+    whose command line was checked before it started (``megatron-longctx run``'s workers)."""
+    parser = add_longctx_args(parser)
+    parse_known_args = parser.parse_known_args
+
+    def parse_and_take(*a: Any, **kw: Any) -> Any:  # parse_args goes through here too
+        namespace, rest = parse_known_args(*a, **kw)
+        take_distributed_optimizer(namespace, config_from_args(namespace))
+        return namespace, rest
+
+    parser.parse_known_args = parse_and_take  # type: ignore[method-assign]
+    return parser
+
+
 def take_distributed_optimizer(args: argparse.Namespace, cfg: LongContextConfig) -> None:
     """Clear Megatron's ``--use-distributed-optimizer`` where the plugin runs it (:func:`plugin_distributed_optimizer`),
     before Megatron validates and uses its arguments: its DDP, optimizer and checkpoints are then the

@@ -11,7 +11,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 from megatron_longctx.config import LongContextConfig
-from megatron_longctx.megatron.arguments import add_longctx_args
+from megatron_longctx.megatron.arguments import add_longctx_args_taking_flags
 from megatron_longctx.megatron.script_setup import skip_built_helpers
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -20,14 +20,16 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 def extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvider:
     """An ``extra_args_provider`` that adds the ``--longctx-*`` flags after ``other``'s (e.g. ModelOpt's).
 
-    Like the launcher, it also skips Megatron's start-up build of the dataset helpers when the compiled
-    ``helpers_cpp`` imports (the megatron-core wheel ships it without the Makefile)."""
+    Its parse hands the plugin the Megatron flags it runs itself, as the launcher's does
+    (:func:`~megatron_longctx.megatron.arguments.add_longctx_args_taking_flags`).  Like the launcher, it also
+    skips Megatron's start-up build of the dataset helpers when the compiled ``helpers_cpp`` imports (the
+    megatron-core wheel ships it without the Makefile)."""
     skip_built_helpers()
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if other is not None:
             parser = other(parser)
-        return add_longctx_args(parser)
+        return add_longctx_args_taking_flags(parser)
 
     return provider
 

@@ -40,15 +40,21 @@ def reference(root):
     return _train(root, "without")[1]
 
 
-@pytest.mark.parametrize("target", ["host", "disk"])
-def test_model_state_offload_equals_the_run_without(root, reference, target):
+@pytest.mark.parametrize("target, distributed", [("host", False), ("disk", False), ("disk", True)],
+                         ids=["host", "disk", "disk-distributed-optimizer"])
+def test_model_state_offload_equals_the_run_without(root, reference, target, distributed):
+    """(``--use-distributed-optimizer``: each of the two context-parallel ranks keeps half of Adam's moments,
+    the updated halves gathered after the step, the checkpoint saved from every rank's.)"""
     resume = ["--resume-check-steps", "2"] if target == "disk" else ["--no-resume-check"]
-    stdout, rows = _train(root, target, "--longctx-model-state-offload", target, *resume)
+    sharded = ("--use-distributed-optimizer",) if distributed else ()
+    stdout, rows = _train(root, target + "-sharded" * distributed, "--longctx-model-state-offload", target,
+                          *sharded, *resume)
     if target == "disk":  # checkpoints written from and loaded into the files: resume equals the straight run
         assert "resume from iteration 1: reproduces steps [2, 3] bit for bit" in stdout, stdout[-3000:]
     described = next(line for line in stdout.splitlines() if "memory features:" in line)
     assert "model states: weights and gradients streamed per layer through 2 slots of" in described, described
     assert f"off-device copy in {target}" in described and "offload: checkpoint to disk" in described, described
+    assert ("optimizer states sharded over 2 data x context parallel ranks" in described) == distributed, described
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor([r[key] for r in rows], dtype=torch.float64),
                                    torch.tensor([r[key] for r in reference], dtype=torch.float64),

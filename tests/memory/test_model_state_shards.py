@@ -29,6 +29,33 @@ def _owned(streamer: ModelStateStreamer, shards: Shards) -> dict:
     return {id(p.param): shards.owned(u.index, k) for u in streamer.units for k, p in enumerate(u.params)}
 
 
+def _step(model, ref, streamer, shards, opt, ref_opt, target: str, seed: int) -> None:
+    """One step of both on this rank's batch; afterwards every rank's streamed weights equal the reference's."""
+    world = dist.get_world_size()
+    tokens = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(seed))
+    _loss(model, tokens).backward()
+    streamer.finish_backward()
+    _loss(ref, tokens).backward()
+    for p in ref.parameters():  # the streamer's reduction: scaled, then summed over the ranks
+        p.grad.mul_(1.0 / world)
+        dist.all_reduce(p.grad)
+    if target == "host":  # as Megatron's FP32Optimizer: the accumulated main gradient is the gradient
+        for p in model.parameters():
+            p.grad = p.main_grad
+    before = shards.gathered_elements
+    opt.step()
+    streamer.gather_weights(shards)
+    assert shards.gathered_elements - before == sum(part * world for part in shards.part)  # each unit once
+    ref_opt.step()
+    ref_opt.zero_grad()
+    for p in model.parameters():
+        p.grad = None
+    streamer.zero_grad()
+    for i, unit in enumerate(ref.units()):
+        for w, p_ref in zip(streamer.unit_weights(i), unit.parameters()):
+            assert_close(w, p_ref.detach(), rtol=0, atol=0)
+
+
 def _sharded_steps(target: str, steps: int = 3) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -56,28 +83,7 @@ def _sharded_steps(target: str, steps: int = 3) -> None:
     assert opt.moment_elements <= sum(-(-sum(n) // world) for n in shards.numels)
 
     for step in range(steps):
-        tokens = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(100 * step + rank))
-        _loss(model, tokens).backward()
-        streamer.finish_backward()
-        _loss(ref, tokens).backward()
-        for p in ref.parameters():  # the streamer's reduction: scaled, then summed over the ranks
-            p.grad.mul_(1.0 / world)
-            dist.all_reduce(p.grad)
-        if target == "host":  # as Megatron's FP32Optimizer: the accumulated main gradient is the gradient
-            for p in model.parameters():
-                p.grad = p.main_grad
-        before = shards.gathered_elements
-        opt.step()
-        streamer.gather_weights(shards)
-        assert shards.gathered_elements - before == sum(part * world for part in shards.part)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        for p in model.parameters():
-            p.grad = None
-        streamer.zero_grad()
-        for i, unit in enumerate(ref.units()):  # every rank's weights whole and equal to the reference
-            for w, p_ref in zip(streamer.unit_weights(i), unit.parameters()):
-                assert_close(w, p_ref.detach(), rtol=0, atol=0)
+        _step(model, ref, streamer, shards, opt, ref_opt, target, seed=100 * step + rank)
 
     # a checkpoint: every rank's moments gathered whole equal torch's AdamW's
     whole = {}
@@ -103,22 +109,7 @@ def _sharded_steps(target: str, steps: int = 3) -> None:
     # loaded back, each rank keeps its range, and the next step still equals torch's
     opt.load_state_dict(saved)
     assert opt.moment_elements == sum(shards.owned_numel(u.index) for u in streamer.units)
-    tokens = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(999 + rank))
-    _loss(model, tokens).backward()
-    streamer.finish_backward()
-    _loss(ref, tokens).backward()
-    for p in ref.parameters():
-        p.grad.mul_(1.0 / world)
-        dist.all_reduce(p.grad)
-    if target == "host":
-        for p in model.parameters():
-            p.grad = p.main_grad
-    opt.step()
-    streamer.gather_weights(shards)
-    ref_opt.step()
-    for i, unit in enumerate(ref.units()):
-        for w, p_ref in zip(streamer.unit_weights(i), unit.parameters()):
-            assert_close(w, p_ref.detach(), rtol=0, atol=0)
+    _step(model, ref, streamer, shards, opt, ref_opt, target, seed=999 + rank)
     opt.close()
     streamer.remove()
     shutil.rmtree(root)
