@@ -2,14 +2,15 @@
 with its model states streamed to the host, to disk, or not at all.
 
     python scripts/bench_model_states_run.py [--layers 12 --hidden 1536 --ffn 4096 --heads 12 --groups 4
-        --vocab 32000 --seq 512 --steps 3] [--bf16] [--out bench_model_states_run.json]
+        --vocab 32000 --seq 512 --steps 3] [--bf16] [--distributed-optimizer] [--out bench_model_states_run.json]
 
 Each mode is one ``megatron-longctx run`` (no baseline, no resume check, a checkpoint only after the last
 step); the table is read from its ``metrics.jsonl``: the largest per-step peak RSS of any rank over the steps
 after the first, the first step's (which also holds the start-up's: the model's build and DDP's), and the
 median step time of the steps after the first.  Float32,
 as the CPU trains (``--bf16``: Megatron's bf16 weights and float32 masters); the ratios are against ``none``,
-the same run without the flag.
+the same run without the flag.  ``--distributed-optimizer`` adds Megatron's ``--use-distributed-optimizer`` to
+every mode: Megatron's own for ``none``, the plugin's sharded off-device optimizer for the others.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _argv(a: argparse.Namespace, mode: str, out: str) -> list[str]:
             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if a.bf16:
         argv += ["--bf16"]
+    if a.distributed_optimizer:
+        argv += ["--use-distributed-optimizer"]
     if mode != "none":
         argv += ["--longctx-model-state-offload", mode, "--longctx-offload-host-pool-bytes", str(a.host_pool_bytes)]
     if mode == "disk":
@@ -78,6 +81,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--bf16", action="store_true", help="bf16 weights, float32 masters (Megatron's --bf16)")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="Megatron's --use-distributed-optimizer in every mode (Adam's moments sharded over the ranks)")
     p.add_argument("--host-pool-bytes", type=int, default=8 << 30)
     p.add_argument("--root", default=None, help="run directories (default: a temporary directory)")
     p.add_argument("--data-dir", default=None)
@@ -98,7 +103,8 @@ def main() -> None:
         print(f"{r['mode']:6} {r['peak_rss_gb_per_rank']:19.2f} {r['rss_vs_none']:8.2f} "
               f"{r['first_step_peak_rss_gb']:16.2f} {r['first_step_vs_none']:8.2f} {r['step_s']:9.2f} "
               f"{r['step_vs_none']:8.2f}  " + " ".join(f"{x:.4f}" for x in r["losses"]))
-    shape = {k: getattr(a, k) for k in ("layers", "hidden", "ffn", "heads", "groups", "vocab", "seq", "steps", "bf16")}
+    shape = {k: getattr(a, k) for k in ("layers", "hidden", "ffn", "heads", "groups", "vocab", "seq", "steps", "bf16",
+                                        "distributed_optimizer")}
     with open(a.out, "w") as fh:
         json.dump({"shape": shape, "rows": rows}, fh, indent=1)
     print(f"wrote {a.out}")
