@@ -307,9 +307,9 @@ class ModelStateConfig:
     )
 
     distributed_optimizer: bool = field(
-        default=False, metadata={"help": "Megatron's distributed optimizer with the offload: the off-device optimizer's "
-                                         "states sharded over the data x context parallel ranks, each rank's "
-                                         "updated range all-gathered into every rank's weights after the step"}
+        default=False, metadata={"help": "Megatron's distributed optimizer with the offload: the off-device "
+                                         "optimizer's states sharded over the data x context parallel ranks, each "
+                                         "rank's updated range all-gathered into every rank's weights after the step"}
     )
 
     def __post_init__(self) -> None:

@@ -182,9 +182,10 @@ def add_longctx_args_taking_flags(parser: argparse.ArgumentParser) -> argparse.A
 
 
 def take_distributed_optimizer(args: argparse.Namespace, cfg: LongContextConfig) -> None:
-    """Clear Megatron's ``--use-distributed-optimizer`` where the plugin runs it (:func:`plugin_distributed_optimizer`),
-    before Megatron validates and uses its arguments: its DDP, optimizer and checkpoints are then the
-    non-distributed ones, over which the off-device optimizer shards its states."""
+    """Clear Megatron's ``--use-distributed-optimizer`` where the plugin runs it
+    (:func:`plugin_distributed_optimizer`), before Megatron validates and uses its arguments: its DDP,
+    optimizer and checkpoints are then the non-distributed ones, over which the off-device optimizer shards its
+    states."""
     if cfg.model_states.distributed_optimizer and getattr(args, "use_distributed_optimizer", False):
         args.use_distributed_optimizer = False
         setattr(args, TOOK_DISTRIBUTED_OPTIMIZER, True)

@@ -14,11 +14,16 @@ MEGATRON_CPU_OFFLOAD = ("cpu_offloading", "cpu_offloading_num_layers", "cpu_offl
 def check_megatron_offload(values: dict, fix_prefix: str = "--") -> None:
     """Refuse Megatron's own ``cpu_offloading*`` together with model-state offload (``values``: Megatron's
     arguments or Bridge's model config fields)."""
-    on = [n for n in MEGATRON_CPU_OFFLOAD if values.get(n)]
-    if on:
-        given = ", ".join(fix_prefix + n.replace("_", "-") if fix_prefix == "--" else fix_prefix + n for n in on)
+    given = _given(MEGATRON_CPU_OFFLOAD, values, fix_prefix)
+    if given:
         raise ValueError(f"{FLAG}: Megatron's {given} would move the same layers' weights as well; drop {given} "
                          f"(megatron-longctx's --longctx-offload-policy offloads activations), or drop {FLAG}")
+
+
+def _given(names: tuple, values: dict, fix_prefix: str) -> str:
+    """The flags (``--x-y``) or fields (``prefix + x_y``) among ``names`` that ``values`` turns on, joined."""
+    on = [n for n in names if values.get(n)]
+    return ", ".join(fix_prefix + n.replace("_", "-") if fix_prefix == "--" else fix_prefix + n for n in on)
 
 
 # Megatron's DDP flags whose work the streamer does per unit itself (its reduction as each unit's backward ends)
@@ -28,9 +33,8 @@ DDP_OVERLAP = ("overlap_grad_reduce", "overlap_param_gather", "ddp_average_in_co
 def check_ddp_overlap(values: dict, fix_prefix: str = "--") -> None:
     """Refuse Megatron's overlapped gradient reduction and parameter gather beside model-state offload: the
     streamer sums each unit's gradients as its backward ends, and gathers the updated weights after the step."""
-    on = [n for n in DDP_OVERLAP if values.get(n)]
-    if on:
-        given = ", ".join(fix_prefix + n.replace("_", "-") if fix_prefix == "--" else fix_prefix + n for n in on)
+    given = _given(DDP_OVERLAP, values, fix_prefix)
+    if given:
         raise ValueError(f"{FLAG}: the streamer reduces each layer's gradients as its backward ends and gathers the "
                          f"updated weights after the step; drop {given}")
 

@@ -107,7 +107,8 @@ def _owned(streamer: ModelStateStreamer, shards: Shards) -> dict[int, tuple[int,
     return owned
 
 
-def _sharded_step(optimizer: Any, inner: list, streamer: ModelStateStreamer, shards: Shards) -> list[Callable[[], None]]:
+def _sharded_step(optimizer: Any, inner: list, streamer: ModelStateStreamer,
+                  shards: Shards) -> list[Callable[[], None]]:
     """The distributed optimizer's other half: after Megatron's step (which updated this rank's range of every
     unit), every unit's weights are all-gathered whole off the device; Megatron's checkpoint save first gathers
     every rank's moments and float32 masters (:func:`_gathered_for_save`)."""
