@@ -282,6 +282,8 @@ class Trainer:
             self.config = self._transformer_config()
             self.model = self._build_model()  # the GPTModel (inside Float16Module under bf16)
             self.plugin = self._make_plugin()
+            streamed = self.plugin is not None and self.plugin.cfg.model_states.enabled
+            self.megatron_distributed = optim.distributed and not streamed  # else the plugin runs it
             self.memory_handle = self._install_memory()
             self.ddp = self._wrap_ddp()
             self.model_states = self._install_model_states()
@@ -351,11 +353,6 @@ class Trainer:
             options["distributed_optimizer"] = True  # the plugin shards its off-device optimizer
         return LongContextPlugin(LongContextConfig.from_flat(options))
 
-    @property
-    def _megatron_distributed(self) -> bool:
-        """Megatron's own distributed optimizer: unless the plugin runs it over streamed model states."""
-        return self.optim_cfg.distributed and not (self.plugin is not None and self.plugin.cfg.model_states.enabled)
-
     def _install_memory(self) -> Any:
         plugin = self.plugin
         if plugin is None or not plugin.cfg.memory.any_enabled:
@@ -381,7 +378,7 @@ class Trainer:
 
             module = Float16Module(self.config, self.model)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=self._megatron_distributed)
+                                                   use_distributed_optimizer=self.megatron_distributed)
         with self.plugin.wrapping_ddp(self.model) if self.plugin is not None else contextlib.nullcontext():
             ddp = DistributedDataParallel(self.config, ddp_config, module)
         self.config.no_sync_func = ddp.no_sync
@@ -394,7 +391,7 @@ class Trainer:
         o = self.optim_cfg
         cfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                               adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=self.shape.bf16,
-                              fp16=False, use_distributed_optimizer=self._megatron_distributed)
+                              fp16=False, use_distributed_optimizer=self.megatron_distributed)
         building = self.model_states.building_optimizer() if self.model_states is not None else contextlib.nullcontext()
         with building:
             return get_megatron_optimizer(cfg, [self.ddp])

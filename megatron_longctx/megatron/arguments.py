@@ -149,10 +149,6 @@ def config_from_args(args: argparse.Namespace) -> LongContextConfig:
     return LongContextConfig.from_flat(values)
 
 
-# set on Megatron's arguments when the plugin takes over --use-distributed-optimizer (cleared there)
-TOOK_DISTRIBUTED_OPTIMIZER = "longctx_took_distributed_optimizer"
-
-
 def plugin_distributed_optimizer(args: argparse.Namespace, model_state_offload: str) -> dict[str, Any]:
     """``ModelStateConfig.distributed_optimizer``: Megatron's ``--use-distributed-optimizer`` given with
     ``--longctx-model-state-offload``, whose streamer replaces the buffers Megatron's distributed optimizer
@@ -160,7 +156,8 @@ def plugin_distributed_optimizer(args: argparse.Namespace, model_state_offload: 
     its optimizer without the flag (:func:`take_distributed_optimizer`).  ``{}``: not taken."""
     if model_state_offload == "none":
         return {}
-    if getattr(args, "use_distributed_optimizer", False) or getattr(args, TOOK_DISTRIBUTED_OPTIMIZER, False):
+    # Megatron's flag, or the mark take_distributed_optimizer leaves where it cleared it
+    if getattr(args, "use_distributed_optimizer", False) or getattr(args, "longctx_took_distributed_optimizer", False):
         return {"distributed_optimizer": True}
     return {}
 
@@ -188,7 +185,7 @@ def take_distributed_optimizer(args: argparse.Namespace, cfg: LongContextConfig)
     states."""
     if cfg.model_states.distributed_optimizer and getattr(args, "use_distributed_optimizer", False):
         args.use_distributed_optimizer = False
-        setattr(args, TOOK_DISTRIBUTED_OPTIMIZER, True)
+        args.longctx_took_distributed_optimizer = True
 
 
 # Megatron's selective-recompute modules whose own implementation fails without Transformer Engine:

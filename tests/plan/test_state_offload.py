@@ -140,10 +140,30 @@ def test_bad_targets_are_refused_with_the_flag():
     assert dataclasses.replace(Constraints(), model_state_offload="disk").model_state_offload == "disk"
 
 
-def test_the_printed_flags_of_a_sharded_plan_pass_the_launchers_checks_and_shard_the_moments():
+def _sharded_plan():
+    opt = MemoryOptions(model_state_offload="host", recompute="full", offload="checkpoint", recompute_tiles=32,
+                        tiled_loss_tiles=128)
+    par = Parallel(cp=2, dp=4, cp_comm_type="all_gather")
+    return evaluate(LLAMA8, 1 << 20, 8, H200, par, opt), par, opt
+
+
+def test_a_sharded_plan_holds_each_ranks_share_of_adam_on_the_host_and_prints_the_distributed_optimizer():
     """At DP x CP > 1 the plan prints Megatron's --use-distributed-optimizer beside the offload (not Megatron's
-    overlapped reduction, which the streamer does per layer): the launcher's checks before start accept the
-    command line, the plugin takes the flag over, and the host holds each rank's share of Adam's moments."""
+    overlapped reduction, which the streamer does per layer) and counts each rank's share of the moments."""
+    plan, par, opt = _sharded_plan()
+    argv = [str(a) for a in megatron_flags(plan)]
+    assert "--use-distributed-optimizer" in argv and "--no-gradient-accumulation-fusion" in argv
+    assert "--overlap-grad-reduce" not in argv and "--overlap-param-gather" not in argv
+    sharded, whole = state_offload(LLAMA8, par, opt), state_offload(LLAMA8, Parallel(), opt)
+    assert sharded.optimizer_shards == 8 and whole.optimizer_shards == 1
+    assert sharded.host_parts()["Adam moments"] == pytest.approx(whole.host_parts()["Adam moments"] / 8)
+    assert sharded.host_parts()["fp32 master weights"] == whole.host_parts()["fp32 master weights"]  # whole
+
+
+def test_the_printed_flags_of_a_sharded_plan_pass_the_launchers_checks():
+    """The printed command line through the launcher's checks before start: accepted, and the plugin takes the
+    distributed optimizer over; Megatron's overlapped reduction beside it is refused by name."""
+    pytest.importorskip("megatron.training.arguments", reason="megatron-core < 0.19 ships no megatron.training")
     import argparse
 
     from megatron.training.arguments import add_megatron_arguments
@@ -151,18 +171,11 @@ def test_the_printed_flags_of_a_sharded_plan_pass_the_launchers_checks_and_shard
     from megatron_longctx.job.command_line import check_flags
     from megatron_longctx.megatron.arguments import add_longctx_args, check_after_parsing
 
-    opt = MemoryOptions(model_state_offload="host", recompute="full", offload="checkpoint", recompute_tiles=32,
-                        tiled_loss_tiles=128)
-    par = Parallel(cp=2, dp=4, cp_comm_type="all_gather")
-    plan = evaluate(LLAMA8, 1 << 20, 8, H200, par, opt)
+    plan, _, _ = _sharded_plan()
     argv = [str(a) for a in megatron_flags(plan) + longctx_flags(plan)]
-    assert "--use-distributed-optimizer" in argv and "--overlap-grad-reduce" not in argv
     check_flags(argv)
     args, _ = add_longctx_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))).parse_known_args(argv)
     cfg = check_after_parsing(args)
     assert cfg.model_states.distributed_optimizer and not args.use_distributed_optimizer  # the plugin runs it
-    sharded, whole = state_offload(LLAMA8, par, opt), state_offload(LLAMA8, Parallel(), opt)
-    assert sharded.host_parts()["Adam moments"] == pytest.approx(whole.host_parts()["Adam moments"] / 8)
-    refused = [*argv, "--overlap-grad-reduce"]
     with pytest.raises(ValueError, match="--longctx-model-state-offload: .*drop --overlap-grad-reduce"):
-        check_flags(refused)
+        check_flags([*argv, "--overlap-grad-reduce"])
