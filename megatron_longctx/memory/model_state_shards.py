@@ -78,3 +78,26 @@ class Shards:
                 first = self.starts[unit][k]
                 v.reshape(-1).copy_(out[first:first + self.numels[unit][k]])  # v is contiguous: reshape views it
         self.gathered_elements += out.numel()
+
+    def whole_moments(self, optimizers: Sequence[Any], targets: Sequence[Sequence[torch.Tensor]]) -> list[dict]:
+        """Every rank's Adam moments, whole per parameter, for a checkpoint (a collective: every rank calls it).
+
+        ``optimizers``: the sharded off-device AdamWs (``kept_moments``); ``targets[u][k]``: the tensor an
+        optimizer steps for parameter ``k`` of unit ``u`` (its float32 master, or the parameter itself).
+        Returns, per optimizer, ``id(target) -> (exp_avg, exp_avg_sq)``, for its ``set_gathered``."""
+        owner = {id(p): i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
+        whole: list[dict] = [{} for _ in optimizers]
+        for unit, ts in enumerate(targets):
+            moments: list = [None] * len(ts)
+            for k, t in enumerate(ts):
+                if id(t) in owner:
+                    lo, hi = self.owned(unit, k)
+                    m, v = torch.zeros(t.numel()), torch.zeros(t.numel())
+                    m[lo:hi], v[lo:hi] = optimizers[owner[id(t)]].kept_moments(t)
+                    moments[k] = (m, v)
+            for i in (0, 1):
+                self.gather(unit, [None if mv is None else mv[i] for mv in moments])
+            for t, mv in zip(ts, moments):
+                if mv is not None:
+                    whole[owner[id(t)]][id(t)] = mv
+        return whole

@@ -86,16 +86,7 @@ def _sharded_steps(target: str, steps: int = 3) -> None:
         _step(model, ref, streamer, shards, opt, ref_opt, target, seed=100 * step + rank)
 
     # a checkpoint: every rank's moments gathered whole equal torch's AdamW's
-    whole = {}
-    for u in streamer.units:
-        ms = [torch.zeros(p.param.numel()) for p in u.params]
-        vs = [torch.zeros(p.param.numel()) for p in u.params]
-        for k, p in enumerate(u.params):
-            lo, hi = shards.owned(u.index, k)
-            ms[k][lo:hi], vs[k][lo:hi] = opt.kept_moments(p.param)
-        shards.gather(u.index, ms)
-        shards.gather(u.index, vs)
-        whole.update({id(p.param): (m, v) for p, m, v in zip(u.params, ms, vs)})
+    (whole,) = shards.whole_moments([opt], [[p.param for p in u.params] for u in streamer.units])
     with pytest.raises(RuntimeError, match="gathers every rank's first"):
         opt.state_dict()
     opt.set_gathered(whole)

@@ -137,33 +137,17 @@ def _sharded_step(optimizer: Any, inner: list, streamer: ModelStateStreamer,
 def _gathered_for_save(inner: list, streamer: ModelStateStreamer, shards: Shards) -> Any:
     """For one checkpoint save (every rank calls it): each sharded AdamW's moments whole, gathered unit by unit
     from every rank's range, and the float32 masters whole (Megatron's own on the host, the files on disk)."""
-    owner = {id(p): opt for opt in inner for g in opt.param_groups for p in g["params"]}
-    whole: dict[int, dict] = {id(opt): {} for opt in inner}
-    for u in streamer.units:
-        # what the optimizer steps: the float32 master where Megatron made one, else the parameter itself
-        targets = [p.param.main_param if id(getattr(p.param, "main_param", None)) in owner else p.param
-                   for p in u.params]
-        moments: list = [None] * len(targets)
-        for k, t in enumerate(targets):
-            opt = owner.get(id(t))
-            if opt is not None:
-                lo, hi = shards.owned(u.index, k)
-                m, v = torch.zeros(t.numel()), torch.zeros(t.numel())
-                kept_m, kept_v = opt.kept_moments(t)
-                m[lo:hi], v[lo:hi] = kept_m, kept_v
-                moments[k] = (m, v)
-        for i in (0, 1):
-            shards.gather(u.index, [None if mv is None else mv[i] for mv in moments])
-        for t, mv in zip(targets, moments):
-            if mv is not None:
-                whole[id(owner[id(t)])][id(t)] = mv
-        if streamer.opts.target == "host":
-            mains = [getattr(p.param, "main_param", None) for p in u.params]
-            shards.gather(u.index, mains)
-    if streamer.opts.target == "disk":
+    stepped = {id(p) for opt in inner for g in opt.param_groups for p in g["params"]}
+    # what the optimizer steps: the float32 master where Megatron made one, else the parameter itself
+    targets = [[p.param.main_param if id(getattr(p.param, "main_param", None)) in stepped else p.param
+                for p in u.params] for u in streamer.units]
+    for opt, whole in zip(inner, shards.whole_moments(inner, targets)):
+        opt.set_gathered(whole)
+    if streamer.opts.target == "host":  # Megatron's own masters
+        for u in streamer.units:
+            shards.gather(u.index, [getattr(p.param, "main_param", None) for p in u.params])
+    else:
         streamer.gather_masters(shards)
-    for opt in inner:
-        opt.set_gathered(whole[id(opt)])
     try:
         yield
     finally:
