@@ -26,8 +26,8 @@ help:
 # (editable, pinned by constraints.txt) with EXTRAS, then the marker.
 define new_venv
 	$(1) -m venv $(@D)
-	$(@D)/bin/pip install --quiet --upgrade pip
-	$(@D)/bin/pip install --quiet -c constraints.txt -e '.[$(2)]'
+	scripts/pip_install.sh $(@D) --upgrade pip
+	scripts/pip_install.sh $(@D) -c constraints.txt -e '.[$(2)]'
 	touch $@
 endef
 comma := ,

@@ -12,10 +12,10 @@ PYTHON=${1:-python3.12}
 VENV=${2:-.venv-bridge}
 start=$(date +%s)
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip
-"$VENV/bin/pip" install --quiet -c constraints.txt -e '.[test]'
-"$VENV/bin/pip" install --quiet --no-deps 'megatron-bridge==0.6.2'
-"$VENV/bin/pip" install --quiet -c constraints.txt \
+scripts/pip_install.sh "$VENV" --upgrade pip
+scripts/pip_install.sh "$VENV" -c constraints.txt -e '.[test]'
+scripts/pip_install.sh "$VENV" --no-deps 'megatron-bridge==0.6.2'
+scripts/pip_install.sh "$VENV" -c constraints.txt \
     'transformers>=5.8,<=5.12.1' 'omegaconf>=2.3.0' 'hydra-core>=1.3.4,<1.4' pyyaml tqdm rich einops \
     'datasets>=2.20.0' 'nvidia-modelopt>=0.44' 'megatron-energon~=7.0' requests 'tensorboard>=2.19.0' \
     'diffusers>=0.36.0'
