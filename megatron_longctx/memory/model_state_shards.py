@@ -12,7 +12,7 @@ float32 masters of one unit are cut at the same places.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,12 +23,16 @@ class Shards:
     every rank's copy whole again.
 
     ``numels[u]``: the element counts of unit ``u``'s parameters in the unit's order.  ``group``: the
-    data-parallel x context-parallel group (the one the gradients are summed over).  ``device``: where the
-    collective runs (the compute device: NCCL reads device memory; host values are copied through it).
+    data-parallel x context-parallel group (the one the gradients are summed over).  ``buffers``: lends two
+    byte buffers on the compute device (NCCL reads device memory; host values are copied through them), the
+    receive and the send buffer of the all-gathers: the streamer's idle weight slots
+    (:meth:`~megatron_longctx.memory.model_states.ModelStateStreamer.idle_slots`), so the gathers allocate
+    nothing on the device.
     """
 
-    def __init__(self, numels: Sequence[Sequence[int]], group: Any, device: torch.device) -> None:
-        self.group, self.device = group, device
+    def __init__(self, numels: Sequence[Sequence[int]], group: Any,
+                 buffers: Callable[[], ContextManager[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        self.group, self._buffers = group, buffers
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.starts: list[list[int]] = []  # each parameter's first element in its unit's concatenation
         self.numels = [list(n) for n in numels]
@@ -41,6 +45,7 @@ class Shards:
             self.starts.append(starts)
             self.part.append(-(-at // self.world))
         self.gathered_elements = 0  # elements received by all-gathers (the cost a test counts)
+        self.largest_gather_bytes = 0  # the most one all-gather received (bounded by the lent buffer)
 
     def owned(self, unit: int, k: int) -> tuple[int, int]:
         """This rank's element range ``[lo, hi)`` of parameter ``k`` of ``unit`` (``lo == hi``: none)."""
@@ -55,7 +60,11 @@ class Shards:
     @torch.no_grad()
     def gather(self, unit: int, values: Sequence[Optional[torch.Tensor]]) -> None:
         """``values[k]``: parameter ``k``'s values (this rank's range current; None: a parameter with no such
-        tensor, e.g. no float32 master), all of one dtype.  Afterwards every element holds its owner's value."""
+        tensor, e.g. no float32 master), all of one dtype.  Afterwards every element holds its owner's value.
+
+        The ranges travel in chunks through the two lent buffers: a chunk of ``c`` elements per rank is sent
+        from one and received (``c`` x ranks) into the other, so a unit larger than the buffers (an
+        embedding's float32 masters) needs several collectives and nothing more on the device."""
         present = [v for v in values if v is not None]
         if not present:
             return
@@ -64,20 +73,33 @@ class Shards:
             raise TypeError(f"unit {unit}: one dtype per gather, got {sorted({str(v.dtype) for v in present})}")
         if not all(v.is_contiguous() for v in present):
             raise ValueError(f"unit {unit}: the gather writes into its tensors in place; they must be contiguous")
-        send = torch.zeros(part, dtype=dtype, device=self.device)
-        base = self.rank * part
-        for k, v in enumerate(values):
-            lo, hi = self.owned(unit, k)
+        flat = [None if v is None else v.reshape(-1) for v in values]  # contiguous: views
+        size = present[0].element_size()
+        with self._buffers() as (recv, send):
+            step = min(recv.numel() // (size * self.world), send.numel() // size, part)
+            if step < 1:
+                raise ValueError(f"unit {unit}: gather buffers of {recv.numel()} and {send.numel()} bytes cannot "
+                                 f"hold one element per rank ({self.world} x {size} bytes)")
+            for c0 in range(0, part, step):
+                c = min(step, part - c0)
+                chunk, out = send[:c * size].view(dtype), recv[:c * size * self.world].view(dtype)
+                for dst, src in self._pieces(unit, flat, self.rank * part + c0, c):
+                    chunk[dst].copy_(src)
+                dist.all_gather_into_tensor(out, chunk, group=self.group)
+                for r in range(self.world):
+                    for src, dst in self._pieces(unit, flat, r * part + c0, c):
+                        dst.copy_(out[r * c:(r + 1) * c][src])
+                self.gathered_elements += out.numel()
+                self.largest_gather_bytes = max(self.largest_gather_bytes, out.numel() * size)
+
+    def _pieces(self, unit: int, flat: Sequence[Optional[torch.Tensor]], at: int, c: int) -> Iterator[tuple]:
+        """For the unit's elements ``[at, at + c)`` of its concatenation: ``(slice of the chunk, the
+        parameter's view there)``, one per parameter with values that overlaps them."""
+        for k, v in enumerate(flat):
+            first = self.starts[unit][k]
+            lo, hi = max(at, first), min(at + c, first + self.numels[unit][k])
             if v is not None and hi > lo:
-                first = self.starts[unit][k] + lo - base
-                send[first:first + hi - lo].copy_(v.reshape(-1)[lo:hi])
-        out = torch.empty(part * self.world, dtype=dtype, device=self.device)
-        dist.all_gather_into_tensor(out, send, group=self.group)
-        for k, v in enumerate(values):
-            if v is not None:
-                first = self.starts[unit][k]
-                v.reshape(-1).copy_(out[first:first + self.numels[unit][k]])  # v is contiguous: reshape views it
-        self.gathered_elements += out.numel()
+                yield slice(lo - at, hi - at), v[lo - first:hi - first]
 
     def whole_moments(self, optimizers: Sequence[Any], targets: Sequence[Sequence[torch.Tensor]]) -> list[dict]:
         """Every rank's Adam moments, whole per parameter, for a checkpoint (a collective: every rank calls it).

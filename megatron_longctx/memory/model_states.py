@@ -202,6 +202,23 @@ class ModelStateStreamer(OffDeviceStore):
         self._charge(-u.nbytes)
         self._point_off_device(u)
 
+    @contextlib.contextmanager
+    def idle_slots(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Two weight slots lent as scratch between passes (the distributed optimizer's all-gathers,
+        :class:`~megatron_longctx.memory.model_state_shards.Shards`): a unit held ahead is dropped first; a unit
+        in use is an error.  The compute stream uses them; the next load into them waits for that use."""
+        while self._evict_prefetched() is not None:
+            pass
+        busy = [u.index for u in self._wowner if u is not None]
+        if busy:
+            raise ModelStateError(f"{FLAG}: the weight slots are lent between passes, but units {busy} hold theirs")
+        if self._side is not None:  # a copy into a slot queued on the side stream is done before the use
+            torch.cuda.current_stream(self.opts.device).wait_stream(self._side)
+        try:
+            yield self.wslots[0], self.wslots[1]
+        finally:
+            self._wfree[0] = self._wfree[1] = self._compute_event()
+
     def _charge(self, n: int) -> None:
         self.resident += n
         self.peak_resident = max(self.peak_resident, self.resident)

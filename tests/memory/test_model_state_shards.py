@@ -5,6 +5,7 @@ gradients are averaged the same way, bit for bit, at 2 and 4 ranks, with the cos
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -23,6 +24,13 @@ from tests.dist import run_ranks
 from tests.memory.test_model_states import Stack, _loss
 
 CHUNK = 1024  # elements per staging chunk: a parameter's range spans several
+LENT = 1000  # bytes of each slot lent to the gathers: every unit's ranges travel in several uneven chunks
+
+
+@contextlib.contextmanager
+def _lent(streamer: ModelStateStreamer):
+    with streamer.idle_slots() as (recv, send):
+        yield recv[:LENT], send[:LENT]
 
 
 def _owned(streamer: ModelStateStreamer, shards: Shards) -> dict:
@@ -46,6 +54,7 @@ def _step(model, ref, streamer, shards, opt, ref_opt, target: str, seed: int) ->
     opt.step()
     streamer.gather_weights(shards)
     assert shards.gathered_elements - before == sum(part * world for part in shards.part)  # each unit once
+    assert 0 < shards.largest_gather_bytes <= LENT  # through the lent slots, in chunks, nothing else
     ref_opt.step()
     ref_opt.zero_grad()
     for p in model.parameters():
@@ -67,7 +76,7 @@ def _sharded_steps(target: str, steps: int = 3) -> None:
                          reduce_group=dist.group.WORLD, grad_scale=1.0 / world)
     streamer = ModelStateStreamer(model.units(), opts)
     shards = Shards([[p.param.numel() for p in u.params] for u in streamer.units], dist.group.WORLD,
-                    torch.device("cpu"))
+                    lambda: _lent(streamer))
     spec = OffDeviceSpec(target=target, pool=HostPool(1 << 22, pin=False), chunk_numel=CHUNK,
                          disk_dir=os.path.join(root, "opt") if target == "disk" else None,
                          source=streamer if target == "disk" else None, owned=_owned(streamer, shards))

@@ -206,7 +206,7 @@ class ModelStatesFeature(Feature):
         streamer = ModelStateStreamer(units, opts)
         shards = None
         if ms.distributed_optimizer and group is not None and torch.distributed.get_world_size(group) > 1:
-            shards = Shards([[p.param.numel() for p in u.params] for u in streamer.units], group, opts.device)
+            shards = Shards([[p.param.numel() for p in u.params] for u in streamer.units], group, streamer.idle_slots)
         patches: list[Callable[[], None]] = []
         if ddp is not None:
             patches.extend(_wire_ddp(ddp, streamer))
