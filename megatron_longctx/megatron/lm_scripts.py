@@ -91,6 +91,10 @@ class ScriptRun:
     def lm_losses(self) -> list[float]:
         return [row["lm loss"] for row in self.losses]
 
+    def grad_norms(self) -> list[float]:
+        """Megatron's gradient norm of each logged iteration."""
+        return [row["grad norm"] for row in self.losses]
+
     def iteration_times_s(self) -> dict[int, float]:
         """Megatron's ``elapsed time per iteration`` of each logged iteration, in seconds."""
         return {int(it): float(ms) / 1000.0 for it, ms in _ITERATION_TIME.findall(self.output)}

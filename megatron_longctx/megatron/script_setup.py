@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import json
 import os
 from typing import Any, Callable
@@ -59,14 +60,19 @@ def skip_built_helpers() -> None:
 
 
 def wrap_training_log(original: Callable) -> Callable:
-    """``training_log`` that also appends this iteration's losses at full precision to the JSON-lines file
-    named by ``$LONGCTX_LOSS_LOG`` (on the last rank, the one Megatron logs losses on)."""
+    """``training_log`` that also appends this iteration's losses (and gradient norm, as ``"grad norm"``) at
+    full precision to the JSON-lines file named by ``$LONGCTX_LOSS_LOG`` (on the last rank, the one Megatron
+    logs losses on)."""
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
         path = os.environ.get(LOSS_LOG_ENV)
         if path and loss_dict and _is_last_rank():
             losses = {key: float(value) for key, value in loss_dict.items()}
+            bound = signature.bind_partial(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
+            if bound.arguments.get("grad_norm") is not None:
+                losses["grad norm"] = float(bound.arguments["grad_norm"])
             with open(path, "a") as f:
                 f.write(json.dumps({"iteration": int(iteration), **losses}) + "\n")
         return original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
