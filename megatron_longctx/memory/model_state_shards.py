@@ -1,11 +1,13 @@
 """Megatron's distributed optimizer over streamed model states (``--use-distributed-optimizer`` with
 ``--longctx-model-state-offload``): the optimizer's states sharded over the data-parallel x context-parallel
-group (ZeRO stage 1, Rajbhandari et al., arXiv:1910.02054), the weights and gradients whole on every rank.
+group (ZeRO stage 1, Rajbhandari et al., arXiv:1910.02054), the weights whole on every rank.
 
 Each unit's parameters, laid end to end in the unit's order, are cut into one contiguous range of equal
-length per rank (:class:`Shards`).  A rank's off-device AdamW keeps Adam's moments for its range only and
-updates only those elements of the weights (or their float32 masters); after the step each unit's updated
-ranges are all-gathered into every rank's off-device copy (:meth:`Shards.gather`), so the next forward finds
+length per rank (:class:`Shards`).  A unit's gradients are reduce-scattered as its backward ends
+(:meth:`Shards.reduce_scatter`): each rank receives the sum of its range only, as Megatron's distributed
+optimizer does.  A rank's off-device AdamW keeps Adam's moments for its range only and updates only those
+elements of the weights (or their float32 masters); after the step each unit's updated ranges are
+all-gathered into every rank's off-device copy (:meth:`Shards.gather`), so the next forward finds
 the same weights on every rank.  The partition is in elements, not bytes, so the bf16 weights and their
 float32 masters of one unit are cut at the same places.
 """
@@ -46,6 +48,7 @@ class Shards:
             self.part.append(-(-at // self.world))
         self.gathered_elements = 0  # elements received by all-gathers (the cost a test counts)
         self.largest_gather_bytes = 0  # the most one all-gather received (bounded by the lent buffer)
+        self.scattered_elements = 0  # elements the reduce-scatters of gradients read
 
     def owned(self, unit: int, k: int) -> tuple[int, int]:
         """This rank's element range ``[lo, hi)`` of parameter ``k`` of ``unit`` (``lo == hi``: none)."""
@@ -57,6 +60,27 @@ class Shards:
     def owned_numel(self, unit: int) -> int:
         return sum(hi - lo for lo, hi in (self.owned(unit, k) for k in range(len(self.numels[unit]))))
 
+    def _flat(self, unit: int, values: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
+        """``(dtype, bytes per element, flat views)`` of one unit's values (None where a parameter has none);
+        None when no parameter has one."""
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        dtype = present[0].dtype
+        if any(v.dtype != dtype for v in present):
+            raise TypeError(f"unit {unit}: one dtype per collective, got {sorted({str(v.dtype) for v in present})}")
+        if not all(v.is_contiguous() for v in present):
+            raise ValueError(f"unit {unit}: the collectives write into its tensors in place; they must be contiguous")
+        return dtype, present[0].element_size(), [None if v is None else v.reshape(-1) for v in values]
+
+    def _chunk(self, unit: int, pieces: int, nbytes: int, size: int) -> int:
+        """Elements per rank of one collective whose buffer, ``pieces`` chunks of them, fits in ``nbytes``."""
+        step = min(nbytes // (size * pieces), self.part[unit])
+        if step < 1:
+            raise ValueError(f"unit {unit}: buffers of {nbytes} bytes cannot hold one element per rank "
+                             f"({self.world} ranks, {size} bytes)")
+        return step
+
     @torch.no_grad()
     def gather(self, unit: int, values: Sequence[Optional[torch.Tensor]]) -> None:
         """``values[k]``: parameter ``k``'s values (this rank's range current; None: a parameter with no such
@@ -65,21 +89,13 @@ class Shards:
         The ranges travel in chunks through the two lent buffers: a chunk of ``c`` elements per rank is sent
         from one and received (``c`` x ranks) into the other, so a unit larger than the buffers (an
         embedding's float32 masters) needs several collectives and nothing more on the device."""
-        present = [v for v in values if v is not None]
-        if not present:
+        flat = self._flat(unit, values)
+        if flat is None:
             return
-        dtype, part = present[0].dtype, self.part[unit]
-        if any(v.dtype != dtype for v in present):
-            raise TypeError(f"unit {unit}: one dtype per gather, got {sorted({str(v.dtype) for v in present})}")
-        if not all(v.is_contiguous() for v in present):
-            raise ValueError(f"unit {unit}: the gather writes into its tensors in place; they must be contiguous")
-        flat = [None if v is None else v.reshape(-1) for v in values]  # contiguous: views
-        size = present[0].element_size()
+        dtype, size, flat = flat
+        part = self.part[unit]
         with self._buffers() as (recv, send):
-            step = min(recv.numel() // (size * self.world), send.numel() // size, part)
-            if step < 1:
-                raise ValueError(f"unit {unit}: gather buffers of {recv.numel()} and {send.numel()} bytes cannot "
-                                 f"hold one element per rank ({self.world} x {size} bytes)")
+            step = min(self._chunk(unit, self.world, recv.numel(), size), send.numel() // size)
             for c0 in range(0, part, step):
                 c = min(step, part - c0)
                 chunk, out = send[:c * size].view(dtype), recv[:c * size * self.world].view(dtype)
@@ -91,6 +107,43 @@ class Shards:
                         dst.copy_(out[r * c:(r + 1) * c][src])
                 self.gathered_elements += out.numel()
                 self.largest_gather_bytes = max(self.largest_gather_bytes, out.numel() * size)
+
+    @torch.no_grad()
+    def reduce_scatter(self, unit: int, values: Sequence[Optional[torch.Tensor]], scratch: torch.Tensor) -> None:
+        """``values[k]``: parameter ``k``'s gradient on this rank (None: it has none), one dtype, on the
+        device.  Afterwards this rank's range holds their sum over the group and every other element is zero,
+        so a norm over each rank's gradients, summed over the group, is the norm of the summed gradients
+        (Megatron's distributed optimizer reduces its statistics so).  ``scratch``: a byte buffer on the device
+        (the unit's weight slot, idle once its backward is done): chunks of ``c`` elements per rank are laid
+        out there rank by rank (``c`` x ranks), and the sum of this rank's lands beside them."""
+        flat = self._flat(unit, values)
+        if flat is None:
+            return
+        dtype, size, flat = flat
+        part = self.part[unit]
+        step = self._chunk(unit, self.world + 1, scratch.numel(), size)
+        for c0 in range(0, part, step):
+            c = min(step, part - c0)
+            rows = scratch[:c * size * self.world].view(dtype)
+            mine = scratch[c * size * self.world:c * size * (self.world + 1)].view(dtype)
+            rows.zero_()  # what no parameter covers (the last rank's padding) adds nothing
+            for r in range(self.world):
+                for dst, src in self._pieces(unit, flat, r * part + c0, c):
+                    rows[r * c:(r + 1) * c][dst].copy_(src)
+            dist.reduce_scatter_tensor(mine, rows, group=self.group)
+            for src, dst in self._pieces(unit, flat, self.rank * part + c0, c):
+                dst.copy_(mine[src])
+            self.scattered_elements += rows.numel()
+        self.keep_owned(unit, values)
+
+    @torch.no_grad()
+    def keep_owned(self, unit: int, values: Sequence[Optional[torch.Tensor]]) -> None:
+        """Every element of ``values`` outside this rank's range set to zero."""
+        for k, v in enumerate(values):
+            if v is not None:
+                lo, hi = self.owned(unit, k)
+                v.reshape(-1)[:lo].zero_()
+                v.reshape(-1)[hi:].zero_()
 
     def _pieces(self, unit: int, flat: Sequence[Optional[torch.Tensor]], at: int, c: int) -> Iterator[tuple]:
         """For the unit's elements ``[at, at + c)`` of its concatenation: ``(slice of the chunk, the

@@ -230,7 +230,7 @@ class OffDeviceStore:
         for u in self.units:
             if u.ghost is not None:
                 u.ghost.zero_()
-            u.has_grad = False
+            u.has_grad = u.reduced = False
             for p in u.params:  # as Megatron's DDP zero_grad_buffer
                 if hasattr(p.param, "grad_added_to_main_grad"):
                     p.param.grad_added_to_main_grad = False

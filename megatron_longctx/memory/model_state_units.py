@@ -53,6 +53,7 @@ class Unit:
         self.gpath: Optional[str] = None  # gradient accumulator file (disk target)
         self.mpath: Optional[str] = None  # float32 master weights file (disk target, low-precision weights)
         self.has_grad = False  # the accumulator holds gradients of this step
+        self.reduced = False  # ... summed over the reduction group (a micro-batch with sync_grads ended)
         self.wslot: Optional[int] = None
         self.gslot: Optional[int] = None
         self.pending: set = set()  # ids of parameters whose gradient has not come yet

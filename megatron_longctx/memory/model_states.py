@@ -56,6 +56,9 @@ class ModelStateStreamer(OffDeviceStore):
         self.loads = self.grad_flushes = self.prefetches = self.evictions = 0  # evictions: of units held ahead
         self.bytes_in = self.bytes_out = 0  # weights copied into slots; gradients copied out of them
         self.sync_grads = True  # False for all but a step's last micro-batch (as DDP's no_sync)
+        # the distributed optimizer's partition (model_state_shards.Shards): gradients reduce-scattered over it
+        self.shards: Any = None
+        self.scratch_allocations = 0  # reduce-scatters that found no idle weight slot
         # disk: the next unit's weights read ahead on a reader thread (one read in flight)
         self._ahead = self._take(self.slot_bytes, "the disk read-ahead buffer") if opts.target == "disk" else None
         self._ahead_read: Optional[tuple[int, concurrent.futures.Future]] = None  # (unit index, its read)
@@ -315,20 +318,35 @@ class ModelStateStreamer(OffDeviceStore):
         self._done(u)
 
     def _reduce(self, u: Unit, gbuf: torch.Tensor, group: Any) -> None:
-        """The last micro-batch: the accumulated gradients join the slot, the slot is summed over ``group`` and
-        becomes the accumulator (one reduction per step of what the micro-batches accumulated, as DDP's)."""
+        """A micro-batch with ``sync_grads``: the slot is summed over ``group`` (reduce-scattered with
+        :attr:`shards`) and becomes the accumulator.  What earlier micro-batches accumulated joins it: before
+        the sum where they ran under ``no_sync`` (local sums: one reduction per step, as DDP's), after it
+        where each was summed as it ended (Megatron calls no ``no_sync`` without --overlap-grad-reduce)."""
         self._drain()
+        acc = None
         if u.has_grad:
             acc = u.ghost if u.ghost is not None else self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
-            for p in u.params:
-                if p.goffset >= 0:
-                    view(gbuf, p.goffset, p.grad_dtype, p.shape).add_(
-                        view(acc, p.goffset, p.grad_dtype, p.shape).to(gbuf.device))
-        for p in u.params:  # every rank flushes its units in the same order: the collectives match
-            if p.goffset >= 0:
-                if self.opts.grad_scale != 1.0:
-                    view(gbuf, p.goffset, p.grad_dtype, p.shape).mul_(self.opts.grad_scale)
-                torch.distributed.all_reduce(view(gbuf, p.goffset, p.grad_dtype, p.shape), group=group)
+        grads = [view(gbuf, p.goffset, p.grad_dtype, p.shape) if p.goffset >= 0 else None for p in u.params]
+        if acc is not None and not u.reduced:  # micro-batches under no_sync: local sums, reduced with this one
+            self._add_into(grads, u, acc)
+            acc = None
+        if self.opts.grad_scale != 1.0:
+            for g in grads:
+                if g is not None:
+                    g.mul_(self.opts.grad_scale)
+        # every rank flushes its units in the same order: the collectives match
+        if self.shards is not None and u.index not in self.opts.host_grad_units:
+            for dtype in dict.fromkeys(g.dtype for g in grads if g is not None):
+                with self._scratch(u) as scratch:
+                    self.shards.reduce_scatter(u.index, [g if g is not None and g.dtype == dtype else None
+                                                         for g in grads], scratch)
+        else:  # whole (a tied embedding's copies are summed over the pipeline stages next, see keep_owned_grads)
+            for g in grads:
+                if g is not None:
+                    torch.distributed.all_reduce(g, group=group)
+        if acc is not None:  # earlier micro-batches, each reduced as it ended: their sum joins this one's
+            self._add_into(grads, u, acc)
+        u.reduced = True
         if u.ghost is not None:
             u.ghost.copy_(gbuf)
         else:
@@ -337,7 +355,46 @@ class ModelStateStreamer(OffDeviceStore):
             self._write(self._staging[:u.gbytes], u.gpath, f"unit {u.index}'s gradients")
         self._done(u)
 
+    @staticmethod
+    def _add_into(grads: list, u: Unit, acc: torch.Tensor) -> None:
+        """``u``'s accumulated gradients (``acc``, its off-device bytes) added into ``grads`` (its slot's)."""
+        for g, p in zip(grads, u.params):
+            if g is not None:
+                g.add_(view(acc, p.goffset, p.grad_dtype, p.shape).to(g.device))
+
+    @contextlib.contextmanager
+    def _scratch(self, u: Unit) -> Iterator[torch.Tensor]:
+        """A device buffer for ``u``'s reduce-scatter: its own weight slot, idle once every gradient of its
+        backward is in and it is in no forward (the slot is released right after), else a free slot (one held
+        ahead is dropped), else a buffer of a slot's size allocated for the call (counted)."""
+        slot = u.wslot if not u.in_forward else None
+        if slot is None:
+            slot = self._free_slot(self._wowner)
+        if slot is None:
+            slot = self._evict_prefetched()
+        if slot is None:
+            self.scratch_allocations += 1
+            yield torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.opts.device)
+            return
+        if slot != u.wslot and self._side is not None:  # a copy into it queued on the side stream ends first
+            torch.cuda.current_stream(self.opts.device).wait_stream(self._side)
+        yield self.wslots[slot]
+        self._wfree[slot] = self._compute_event()  # the next load into the slot waits for this use
+
+    def keep_owned_grads(self) -> None:
+        """The distributed optimizer, before its step: the gradients of units summed whole (a tied
+        embedding's, which Megatron sums over the pipeline stages after backward) zero outside this rank's
+        range too, so every rank's norm counts each element once (:meth:`Shards.reduce_scatter`)."""
+        if self.shards is None:
+            return
+        for index in self.opts.host_grad_units:
+            self.shards.keep_owned(index, self.unit_grads(index))
+
     def _accumulate(self, u: Unit, gbuf: torch.Tensor) -> None:
+        if u.reduced:
+            raise ModelStateError(f"{FLAG}: unit {u.index}'s gradients were summed over the ranks at an earlier "
+                                  "micro-batch of this step; a later one cannot skip the sum (no_sync must "
+                                  "cover the step's first micro-batches, not its last)")
         if u.ghost is not None and self._side is not None:
             self._copy_out(u, gbuf)
             return

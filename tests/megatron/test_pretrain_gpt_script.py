@@ -12,6 +12,8 @@ import shutil
 import subprocess
 
 import pytest
+import torch
+from torch.testing import assert_close
 
 from tests.megatron_lm import (
     REF_016,
@@ -201,10 +203,11 @@ def test_model_state_offload_under_data_parallel(script):
 @pytest.mark.parametrize("target, precision", [("host", ()), ("host", ("--bf16",)), ("disk", ("--bf16",))],
                          ids=["host", "host-bf16", "disk-bf16"])  # disk in float32: tests/job's main-job run
 def test_model_state_offload_with_the_distributed_optimizer(script, target, precision, tmp_path):
-    """``--use-distributed-optimizer`` beside the offload at DP=2: each rank keeps Adam's moments for its half of
-    every layer and updates only that half (of the float32 masters under bf16), and the halves are all-gathered
-    after the step.  Four steps equal the same run without the flag bit for bit, and two steps saved and two
-    resumed equal the four (the save gathers the moments and the masters)."""
+    """``--use-distributed-optimizer`` beside the offload at DP=2: each rank receives the summed gradients of its
+    half of every layer (a reduce-scatter), keeps Adam's moments for that half and updates only it (of the
+    float32 masters under bf16), and the halves are all-gathered after the step.  Four steps' losses equal the
+    same run without the flag bit for bit, its gradient norms (summed over the two halves) to rounding, and two
+    steps saved and two resumed equal the four (the save gathers the moments and the masters)."""
     batch2 = [*TINY_GPT[:TINY_GPT.index("--global-batch-size")], "--global-batch-size", "2",
               *TINY_GPT[TINY_GPT.index("--global-batch-size") + 2:], "--train-iters", "4", *precision]
     streamed = [*batch2, "--longctx-model-state-offload", target,
@@ -216,6 +219,8 @@ def test_model_state_offload_with_the_distributed_optimizer(script, target, prec
     print(f"model states {target}, distributed optimizer, DP=2: {sharded.wall_s:.1f} s")
     assert "optimizer states sharded over 2 data x context parallel ranks" in sharded.output
     assert sharded.lm_losses() == whole.lm_losses()
+    # each rank holds its range's summed gradients; the norm over them, summed over the ranks, is the whole's
+    assert_close(torch.tensor(sharded.grad_norms()), torch.tensor(whole.grad_norms()), rtol=1e-6, atol=0)
     resumed = run_script(script, [*streamed, "--use-distributed-optimizer", "--load", str(ckpt), "--ckpt-step", "2"],
                          nproc=2).check()
     assert [row["iteration"] for row in resumed.losses] == [3, 4]

@@ -109,18 +109,28 @@ def _owned(streamer: ModelStateStreamer, shards: Shards) -> dict[int, tuple[int,
 
 def _sharded_step(optimizer: Any, inner: list, streamer: ModelStateStreamer,
                   shards: Shards) -> list[Callable[[], None]]:
-    """The distributed optimizer's other half: after Megatron's step (which updated this rank's range of every
-    unit), every unit's weights are all-gathered whole off the device; Megatron's checkpoint save first gathers
-    every rank's moments and float32 masters (:func:`_gathered_for_save`)."""
+    """The distributed optimizer's other half.  Each rank holds the summed gradients of its range only (the
+    streamer reduce-scatters them), so Megatron's gradient norm and its checks for inf and nan reduce over every
+    rank, as its own distributed optimizer's do (``grad_stats_parallel_group``, the whole world: the model
+    parallel ranks times the data x context parallel ones).  Before Megatron's step the gradients summed
+    whole (a tied embedding's) keep only this rank's range too; after it (which updated this rank's range of
+    every unit) every unit's weights are all-gathered whole off the device.  Megatron's checkpoint save first
+    gathers every rank's moments and float32 masters (:func:`_gathered_for_save`)."""
+    from megatron_longctx.megatron import offdevice_optimizer
+
     step = optimizer.step
 
     def sharded_step(*args: Any, **kwargs: Any) -> Any:
+        streamer.keep_owned_grads()
         out = step(*args, **kwargs)
         streamer.gather_weights(shards)
         return out
 
-    undo = [patch(optimizer, "step", sharded_step,
-                  reason=f"{FLAG} with the distributed optimizer: each rank's updated range gathered").undo]
+    why = f"{FLAG} with the distributed optimizer"
+    undo = [patch(optimizer, "step", sharded_step, reason=f"{why}: each rank's updated range gathered").undo]
+    for wrapper in offdevice_optimizer.megatron_optimizers(optimizer):
+        undo.append(patch(wrapper, "grad_stats_parallel_group", torch.distributed.group.WORLD, create=True,
+                          reason=f"{why}: each rank's gradients are its range's; their norm sums over all").undo)
     for module in _checkpointing_modules():
         save = getattr(module, "save_checkpoint")
 

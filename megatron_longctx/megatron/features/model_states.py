@@ -206,7 +206,13 @@ class ModelStatesFeature(Feature):
         streamer = ModelStateStreamer(units, opts)
         shards = None
         if ms.distributed_optimizer and group is not None and torch.distributed.get_world_size(group) > 1:
+            streamed = {id(p) for p in params}
+            outside = [n for n, p in built.chunks[0].named_parameters() if p.requires_grad and id(p) not in streamed]
+            if outside:  # their gradients would be whole on every rank, counted once per rank by the norm
+                raise ValueError(f"{FLAG} with --use-distributed-optimizer shards every gradient, but "
+                                 f"{outside[:3]} are outside the streamed units: drop --use-distributed-optimizer")
             shards = Shards([[p.param.numel() for p in u.params] for u in streamer.units], group, streamer.idle_slots)
+            streamer.shards = shards  # each unit's gradients reduce-scattered over the group
         patches: list[Callable[[], None]] = []
         if ddp is not None:
             patches.extend(_wire_ddp(ddp, streamer))
