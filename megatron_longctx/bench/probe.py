@@ -5,7 +5,7 @@ every (configuration, sequence length) point of the task for ``warmup + steps`` 
 initialisation on the same global batches (Python standard-library text, byte tokens), and writes one
 record per point to the task's ``out`` file (rewritten after every point, so a killed job keeps what it
 measured).  With ``budget_bytes`` the per-rank memory budget is enforced: on CPU a sampling thread
-ends the job with exit code :data:`~megatron_longctx.bench.engine.EXIT_OVER_BUDGET` when the
+ends the job with exit code :data:`~megatron_longctx.bench.memory_meter.EXIT_OVER_BUDGET` when the
 resident memory added since the point began passes it; on GPU the caching allocator is capped with
 ``torch.cuda.set_per_process_memory_fraction`` and an out-of-memory error ends the job the same way.
 """
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from megatron_longctx.megatron import cpu_compat
 from megatron_longctx.bench.configs import all_configs, streams_model_states, tiles_for
 from megatron_longctx import data as data_mod
-from megatron_longctx.bench.engine import (EXIT_OVER_BUDGET, GPTShape, OptimConfig, Trainer, device, median,
-                                                over_budget_exit, preimport_megatron, run_steps)
+from megatron_longctx.bench.engine import GPTShape, OptimConfig, Trainer, device, median, preimport_megatron, run_steps
+from megatron_longctx.bench.memory_meter import EXIT_OVER_BUDGET, over_budget_exit
 from megatron_longctx.memory.accounting import rss_bytes
 from megatron_longctx.procs import process_groups_released
 
