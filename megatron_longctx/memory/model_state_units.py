@@ -90,7 +90,10 @@ def tensors(out: Any) -> list:
     return []
 
 
-def add_bytes(u: Unit, acc: torch.Tensor, add: torch.Tensor) -> None:
+def add_bytes(u: Unit, acc: torch.Tensor, add: torch.Tensor, non_blocking: bool = False) -> None:
+    """``u``'s gradients in ``add`` added into those in ``acc`` (both its gradient bytes), parameter by
+    parameter, each brought to ``acc``'s device on its way."""
     for p in u.params:
         if p.goffset >= 0:
-            view(acc, p.goffset, p.grad_dtype, p.shape).add_(view(add, p.goffset, p.grad_dtype, p.shape))
+            view(acc, p.goffset, p.grad_dtype, p.shape).add_(
+                view(add, p.goffset, p.grad_dtype, p.shape).to(acc.device, non_blocking=non_blocking))

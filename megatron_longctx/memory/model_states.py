@@ -328,7 +328,7 @@ class ModelStateStreamer(OffDeviceStore):
             acc = u.ghost if u.ghost is not None else self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients")
         grads = [view(gbuf, p.goffset, p.grad_dtype, p.shape) if p.goffset >= 0 else None for p in u.params]
         if acc is not None and not u.reduced:  # micro-batches under no_sync: local sums, reduced with this one
-            self._add_into(grads, u, acc)
+            add_bytes(u, gbuf, acc)
             acc = None
         if self.opts.grad_scale != 1.0:
             for g in grads:
@@ -345,7 +345,7 @@ class ModelStateStreamer(OffDeviceStore):
                 if g is not None:
                     torch.distributed.all_reduce(g, group=group)
         if acc is not None:  # earlier micro-batches, each reduced as it ended: their sum joins this one's
-            self._add_into(grads, u, acc)
+            add_bytes(u, gbuf, acc)
         u.reduced = True
         if u.ghost is not None:
             u.ghost.copy_(gbuf)
@@ -354,13 +354,6 @@ class ModelStateStreamer(OffDeviceStore):
             self._staging[:u.gbytes].copy_(gbuf)
             self._write(self._staging[:u.gbytes], u.gpath, f"unit {u.index}'s gradients")
         self._done(u)
-
-    @staticmethod
-    def _add_into(grads: list, u: Unit, acc: torch.Tensor) -> None:
-        """``u``'s accumulated gradients (``acc``, its off-device bytes) added into ``grads`` (its slot's)."""
-        for g, p in zip(grads, u.params):
-            if g is not None:
-                g.add_(view(acc, p.goffset, p.grad_dtype, p.shape).to(g.device))
 
     @contextlib.contextmanager
     def _scratch(self, u: Unit) -> Iterator[torch.Tensor]:
@@ -398,20 +391,15 @@ class ModelStateStreamer(OffDeviceStore):
         if u.ghost is not None and self._side is not None:
             self._copy_out(u, gbuf)
             return
-        for p in u.params:
-            if p.goffset < 0:
-                continue
-            n = p.shape.numel()
-            src = gbuf[p.goffset:p.goffset + n * torch.empty((), dtype=p.grad_dtype).element_size()]
-            if u.ghost is not None:
-                view(u.ghost, p.goffset, p.grad_dtype, p.shape).add_(src.view(p.grad_dtype).view(p.shape).cpu())
+        if u.ghost is not None:
+            add_bytes(u, u.ghost, gbuf)
         if u.gpath is not None:
             acc = self._staging
             assert acc is not None
             acc = acc[:u.gbytes]
             if u.has_grad:
                 acc.copy_(self._read(u.gpath, u.gbytes, f"unit {u.index}'s gradients"))
-                add_bytes(u, acc, gbuf.cpu())
+                add_bytes(u, acc, gbuf)
             else:
                 acc.copy_(gbuf)
             self._write(acc, u.gpath, f"unit {u.index}'s gradients")
@@ -423,10 +411,7 @@ class ModelStateStreamer(OffDeviceStore):
         assert u.ghost is not None and u.gslot is not None
         if u.has_grad:
             self._wait(u.copied_out)
-            for p in u.params:
-                if p.goffset >= 0:
-                    view(gbuf, p.goffset, p.grad_dtype, p.shape).add_(
-                        view(u.ghost, p.goffset, p.grad_dtype, p.shape).to(gbuf.device, non_blocking=True))
+            add_bytes(u, gbuf, u.ghost, non_blocking=True)
         with self._on_side(self._compute_event()):
             u.ghost.copy_(gbuf, non_blocking=True)
             u.copied_out = self._gfree[u.gslot] = self._side.record_event()
