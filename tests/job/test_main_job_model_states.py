@@ -5,12 +5,18 @@ give the losses and gradient norms of the same run without it (float32), so DDP'
 reduction over the context-parallel ranks and the optimizer's update all see the streamed states; with
 ``disk`` the main job's resume check reloads the checkpoint into the files and reproduces steps 2 and 3.  Step 1
 runs at learning rate 0 (warm-up), so steps 2 and 3 are what show the updated off-device weights.  Rank 0's
-"memory features:" line names the model states and where they went.
+"memory features:" line names the model states and where they went.  A disk filled in the middle of a
+``disk`` run stops it with one error naming the flag, and its last checkpoint resumes it.
 """
+
+import errno
+import os
+import signal
 
 import pytest
 import torch
 
+from tests import tmpfs
 from tests.job import main_job
 
 ARGS = ["--num-layers", "2", "--normalization", "RMSNorm", "--swiglu", "--train-iters", "3",
@@ -73,3 +79,57 @@ def test_disk_under_bf16_resumes_bit_for_bit_and_trains_as_without(root):
         torch.testing.assert_close(torch.tensor([r[key] for r in rows], dtype=torch.float64),
                                    torch.tensor([r[key] for r in without], dtype=torch.float64),
                                    rtol=1e-5, atol=0)
+
+
+def test_disk_filled_during_the_run_names_the_flag_and_the_last_checkpoint_resumes(root, reference, tmp_path):
+    """A real fault: the model states' disk directory (a small tmpfs) is filled while iteration 1 is saved, so
+    step 2's optimizer cannot write Adam's moments beside the previous ones.  The job stops with one error
+    naming the flag, the path and the bytes (nothing hangs), and the checkpoint of iteration 1 loads: the
+    same job resumed from it trains steps 2 and 3 as the run without the offload does."""
+    out, ckpt, data = str(tmp_path / "run"), str(tmp_path / "ckpt"), str(root / "data")
+    job = (*ARGS, "--longctx-offload-target", "host", "--longctx-model-state-offload", "disk",
+           "--save", ckpt, "--no-resume-check")
+    with tmpfs.mounted(tmp_path / "small", "size=64m", otherwise="tests/memory/test_offdevice_optimizer.py fills "
+                       "a file-size limit in a step without a checkpoint") as small:
+        proc = main_job.start(out, data, *job, "--longctx-offload-disk-dir", str(small))
+        # Iteration 1's folder appears once step 1 (its optimizer's first write included) is done and step 2
+        # has not begun: stop both ranks there, fill the disk, and let them go on.
+        main_job.wait_for(lambda: os.path.isdir(os.path.join(ckpt, "iter_0000001")), 300,
+                          "the save of iteration 1", proc, poll=0.002)
+        ranks = [main_job.rank_pid(proc.pid, r) for r in (0, 1)]
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        filled = _fill(str(small))
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=300)
+        log = main_job.output(proc)
+    assert filled > 0 and proc.returncode != 0, log[-4000:]
+    failed = [line for line in log.splitlines() if "No space left on device" in line or "ENOSPC" in line]
+    assert failed and "--longctx-offload-disk-dir" in failed[-1] and str(small) in failed[-1], log[-4000:]
+    assert "bytes" in failed[-1] and "adamw-moments.bin.tmp" in failed[-1], failed[-1]  # Adam's next moments
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as fh:  # Megatron's tracker
+        assert fh.read().strip() == "1"
+    first = [r for r in main_job.metrics(out) if r["run"] == "plugin-cp2"]
+    assert [r["step"] for r in first] == [1]
+
+    again = main_job.run(str(tmp_path / "resumed"), data, *job, "--load", ckpt)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    rows = first + [r for r in main_job.metrics(str(tmp_path / "resumed")) if r["run"] == "plugin-cp2"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in rows], dtype=torch.float64),
+                                   torch.tensor([r[key] for r in reference], dtype=torch.float64),
+                                   rtol=1e-6, atol=0)
+
+
+def _fill(folder: str) -> int:
+    """Bytes written into ``folder`` until its filesystem is full."""
+    written, block = 0, b"\0" * (1 << 20)
+    with open(os.path.join(folder, "filler"), "wb", buffering=0) as fh:
+        while True:
+            try:
+                written += fh.write(block)
+            except OSError as err:
+                assert err.errno == errno.ENOSPC, err
+                return written
