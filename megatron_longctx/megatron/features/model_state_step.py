@@ -18,10 +18,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_longctx.config import LongContextConfig
+from megatron_longctx.megatron import offdevice_optimizer
 from megatron_longctx.megatron.features.base import Installed
 from megatron_longctx.memory.model_state_shards import Shards
 from megatron_longctx.memory.model_state_store import is_placeholder, placeholder
 from megatron_longctx.memory.model_states import FLAG, ModelStateStreamer
+from megatron_longctx.memory.offdevice_optimizer import OffDeviceSpec
 from megatron_longctx.patching import patch
 
 BRIDGE_CHECKPOINTING = "megatron.bridge.training.checkpointing"  # Bridge's save_checkpoint / load_checkpoint
@@ -52,8 +54,6 @@ def optimizer_hooks(installed: Installed, streamer: ModelStateStreamer, cfg: Lon
     the moments and the float32 masters (:func:`_gathered_for_save`)."""
     if streamer.opts.target != "disk" and shards is None:
         return lambda optimizer: optimizer
-    from megatron_longctx.megatron import offdevice_optimizer
-    from megatron_longctx.memory.offdevice_optimizer import OffDeviceSpec
 
     disk = streamer.opts.target == "disk"
     why = f"{FLAG} disk: the weights are read back from their files for this call"
@@ -116,8 +116,6 @@ def _sharded_step(optimizer: Any, inner: list, streamer: ModelStateStreamer,
     whole (a tied embedding's) keep only this rank's range too; after it (which updated this rank's range of
     every unit) every unit's weights are all-gathered whole off the device.  Megatron's checkpoint save first
     gathers every rank's moments and float32 masters (:func:`_gathered_for_save`)."""
-    from megatron_longctx.megatron import offdevice_optimizer
-
     step = optimizer.step
 
     def sharded_step(*args: Any, **kwargs: Any) -> Any:
